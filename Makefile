@@ -1,0 +1,62 @@
+# zeroshard developer entry points. Every target creates .venv first, with torch pinned to a wheel on this machine's disk.
+PY_BOOT   ?= python3
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+TORCH_PIN ?= torch==2.13.0
+BUILD_DIR ?= build/dev
+JOBS      ?= $(shell nproc)
+PYTHON_DIRS := python tests examples benchmarks
+
+.PHONY: venv build test test-cpp test-python lint format demo bench clean wheel
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: pyproject.toml
+	$(PY_BOOT) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "psutil" \
+	    "pytest" "ruff" "clang-format" "cmake" "ninja" "scikit-build-core" "pybind11"
+	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
+	touch $@
+
+# Development build: _C lands in python/zeroshard/, which the venv imports through a .pth file.
+build: venv
+	@if ! dpkg -s libgtest-dev libgloo-dev >/dev/null 2>&1; then \
+	  echo "installing GoogleTest and gloo headers (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libgloo-dev) >/dev/null; fi
+	$(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DPython_EXECUTABLE=$(abspath $(PY)) -DZEROSHARD_BUILD_TESTS=ON \
+	    -DZEROSHARD_MODULE_OUTPUT_DIR=$(abspath python/zeroshard) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) >/dev/null
+	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test-cpp: build
+	cd $(BUILD_DIR) && ../../$(VENV)/bin/ctest --output-on-failure -j $(JOBS)
+
+test-python: build
+	$(PY) -m pytest -q tests/python
+
+test: lint test-cpp test-python
+
+lint: venv
+	$(VENV)/bin/ruff check $(PYTHON_DIRS)
+	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
+
+format: venv
+	$(VENV)/bin/ruff check --fix $(PYTHON_DIRS)
+	$(VENV)/bin/ruff format $(PYTHON_DIRS)
+	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
+
+# The main job on its defaults: a GPT trained on real text, 2 CPU processes, ZeRO stage 2.
+demo: build
+	$(PY) examples/train_gpt.py
+
+bench: build
+	$(PY) benchmarks/bench_cpu_adam.py
+
+# The user path: a wheel built against the installed torch.
+wheel: venv
+	$(PIP) wheel --no-build-isolation --no-deps -w build/wheel .
+
+clean:
+	rm -rf build python/zeroshard/_C*.so

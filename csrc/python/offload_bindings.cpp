@@ -1,0 +1,7 @@
+#include "python/bindings.h"
+
+namespace zeroshard::python {
+
+void bind_offload(pybind11::module_& m) {}
+
+}  // namespace zeroshard::python
