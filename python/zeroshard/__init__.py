@@ -1,7 +1,41 @@
-"""zeroshard: ZeRO stage 1/2/3 sharding, CPU offload and a fused CPU Adam for PyTorch Lightning."""
+"""zeroshard: ZeRO stage 1/2 sharding, CPU offload and a fused CPU Adam for PyTorch Lightning.
+
+Public API:
+    ZeroStrategy: the Lightning strategy (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
+        ``zeroshard_stage_2_offload``).
+    CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
+    cpu_isa: the instruction set CPUAdam uses on this machine.
+    ZeroEngine, ZeroConfig: the engine without Lightning.
+"""
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from zeroshard import _C  # noqa: F401
+from zeroshard.config import ZeroConfig
+from zeroshard.cpu_adam import CPUAdam
+from zeroshard.cpu_isa import cpu_isa, supported_cpu_isas
+from zeroshard.engine import ZeroEngine
+from zeroshard.precision import ZeroPrecision
+from zeroshard.strategy import ZeroStrategy
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CPUAdam",
+    "ZeroConfig",
+    "ZeroEngine",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "cpu_isa",
+    "supported_cpu_isas",
+]
+
+
+def _register_strategies() -> None:
+    # Lightning discovers only its own strategies; an external one registers its names when imported.
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ZeroStrategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()

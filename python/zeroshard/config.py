@@ -1,0 +1,63 @@
+"""ZeroConfig: every setting of a zeroshard run, validated when it is built so a bad config fails before training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUPPORTED_STAGES = (1, 2)
+PLANNED_STAGES = (3,)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of the ZeRO engine.
+
+    Args:
+        stage: ZeRO stage (Rajbhandari et al. 2020, "ZeRO", section 5). 1 shards the fp32 master weights and optimizer
+            state; 2 also shards gradients (reduce-scattered in buckets during backward).
+        offload_optimizer: keep master weights and optimizer state in host memory and step them with
+            :class:`zeroshard.CPUAdam` (ZeRO-Offload, Ren et al. 2021). Adam/AdamW are converted; other torch optimizers
+            run on the host copies as they are.
+        reduce_bucket_size: elements per flat parameter / gradient bucket (stages 1-2). Each bucket is one
+            reduce-scatter (stage 2) or all-reduce (stage 1). Default 25M elements, like DeepSpeed's ``5e8`` bytes / 20.
+        allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
+        max_inflight_buckets: reduce-scatters allowed in flight during backward before the oldest is waited on;
+            bounds the full-size gradient buffers alive at once (stage 2 memory).
+        align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes (>= 64, a
+            cache line / AVX-512 vector).
+
+    Raises:
+        ValueError: naming the bad setting and the accepted values.
+    """
+
+    stage: int = 2
+    offload_optimizer: bool = False
+    reduce_bucket_size: int = 25_000_000
+    allgather_bucket_size: int = 25_000_000
+    max_inflight_buckets: int = 2
+    align_bytes: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES + PLANNED_STAGES:
+            raise ValueError(
+                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage: use 1 (optimizer state sharded) or "
+                "2 (optimizer state and gradients sharded)."
+            )
+        if self.stage not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"ZeroStrategy(stage={self.stage}) is not available in this version of zeroshard: use stage=1 or 2."
+            )
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
+        if not isinstance(self.offload_optimizer, bool):
+            raise ValueError(f"ZeroStrategy(offload_optimizer={self.offload_optimizer!r}) must be True or False.")
+        if not isinstance(self.align_bytes, int) or self.align_bytes < 64 or self.align_bytes & (self.align_bytes - 1):
+            raise ValueError(
+                f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two >= 64 (one cache line)."
+            )
+
+    def align_elems(self, element_size: int) -> int:
+        """Alignment in elements for a buffer of ``element_size``-byte elements."""
+        return max(1, self.align_bytes // element_size)

@@ -1,0 +1,239 @@
+"""ZeroEngine: ZeRO stages 1-2 for one module and one optimizer.
+
+The engine owns the flat parameters (buckets), the gradient reducer and the optimizer rewiring. The Lightning strategy
+calls it at four points: :meth:`ZeroEngine.__init__` at setup, :meth:`finish_backward` after each backward,
+:meth:`after_step` after each optimizer step, and the state-dict methods for checkpoints. It is usable without Lightning
+too (see ``tests/python``): build it after creating the optimizer, then run ``loss.backward()``, ``optimizer.step()``,
+``engine.after_step()`` as usual.
+
+Per step (stage 2): backward hooks reduce-scatter each bucket's gradient into fp32 gradient shards (bucketed, overlapped
+with backward) -> the shards become the master shards' ``.grad`` -> the optimizer steps the master shards (on the host
+with ``offload_optimizer``) -> updated shards are written into this rank's slice of each flat buffer -> bucketed
+all-gather of the flat buffers, which the module's parameters view.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from zeroshard import _C
+from zeroshard.buckets import plan_buckets
+from zeroshard.config import ZeroConfig
+from zeroshard.flat_param import FlatParam
+from zeroshard.grad_reducer import GradReducer
+from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
+from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
+
+
+class ZeroEngine:
+    """Shards ``optimizer``'s state and, at stage 2, the gradients of ``module`` across ``process_group``.
+
+    Args:
+        module: the model, already on its compute device. Its trainable parameters become views into flat buffers.
+        optimizer: a fresh torch optimizer over ``module``'s parameters (any class; param groups kept).
+        config: :class:`~zeroshard.config.ZeroConfig`.
+        process_group: the data-parallel group (default: the world group). Must be initialised.
+
+    Attributes:
+        optimizer: the optimizer to step: ``optimizer`` itself, rewired onto master shards, or its
+            :class:`~zeroshard.cpu_adam.CPUAdam` replacement when offloading.
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialised, or the optimizer already holds state.
+        ValueError: if the optimizer holds parameters that are not in ``module``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        config: ZeroConfig,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ZeroEngine needs torch.distributed: call torch.distributed.init_process_group (Lightning's Trainer "
+                "does it for ZeroStrategy)"
+            )
+        self.config = config
+        self.module = module
+        self.process_group = process_group or dist.group.WORLD
+        self.collectives = _C.BucketedCollectives(self.process_group)
+        self.rank = self.collectives.rank
+        self.world_size = self.collectives.world_size
+
+        self.original_groups = original_param_groups(optimizer)
+        plans, skipped = plan_buckets(module, self.original_groups, config.reduce_bucket_size)
+        if skipped:
+            warnings.warn(
+                f"{len(skipped)} trainable parameters are in no optimizer param group and stay unsharded with local "
+                f"gradients: {skipped[:5]}{' ...' if len(skipped) > 5 else ''}",
+                stacklevel=2,
+            )
+        self._sync_module_states()
+        offload = config.offload_optimizer
+        pin = offload and any(p.params[0].is_cuda for p in plans)
+        self.flat_params = [
+            FlatParam(
+                plan.names,
+                plan.params,
+                rank=self.rank,
+                world_size=self.world_size,
+                align_elems=config.align_elems(plan.params[0].element_size()),
+                master_device=torch.device("cpu") if offload else plan.params[0].device,
+                pin_memory=pin,
+            )
+            for plan in plans
+        ]
+        rewire(optimizer, self.flat_params, [plan.group_index for plan in plans])
+        self.optimizer = to_cpu_adam(optimizer) if offload else optimizer
+        self.reducer = GradReducer(
+            self.flat_params, self.collectives, stage=config.stage, max_inflight=config.max_inflight_buckets
+        )
+
+    # -- training step ------------------------------------------------------------------------------------------------
+
+    @property
+    def require_grad_sync(self) -> bool:
+        return self.reducer.require_grad_sync
+
+    @require_grad_sync.setter
+    def require_grad_sync(self, value: bool) -> None:
+        """False during non-final micro-batches of gradient accumulation: gradients accumulate, nothing is reduced."""
+        self.reducer.require_grad_sync = value
+
+    @torch.no_grad()
+    def finish_backward(self) -> None:
+        """Completes the gradient reduction and sets each master shard's ``.grad`` (fp32, the master's device)."""
+        self.reducer.finish_backward()
+        if not self.reducer.grads_ready:
+            return
+        for fp in self.flat_params:
+            if fp.master.device == fp.grad_shard.device:
+                fp.master.grad = fp.grad_shard
+            else:
+                host = fp.master.grad
+                if host is None:
+                    host = torch.empty_like(fp.master, pin_memory=fp.master.is_pinned())
+                host.copy_(fp.grad_shard, non_blocking=True)
+                fp.master.grad = host
+        if any(fp.grad_shard.is_cuda and not fp.master.is_cuda for fp in self.flat_params):
+            torch.cuda.current_stream().synchronize()  # host step reads the copies
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After ``optimizer.step()``: writes updated master shards into the flat buffers and all-gathers them."""
+        self.reducer.consume()
+        for fp in self.flat_params:
+            fp.load_master_into_shard()
+        if self.flat_params:
+            self.collectives.all_gather(
+                [fp.shard for fp in self.flat_params],
+                [fp.full for fp in self.flat_params],
+                self.config.allgather_bucket_size,
+            ).wait()
+
+    # -- global gradient norm -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips master gradients by their global norm across all shards; returns the norm before clipping."""
+        return clip_grad_norm_([fp.master for fp in self.flat_params], max_norm, norm_type, self.process_group)
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+
+    def optimizer_state_dict(self) -> dict:
+        """Consolidated optimizer state in torch's format on rank 0 (``{}`` elsewhere); collective."""
+        return consolidated_state_dict(self.optimizer, self.flat_params, self.original_groups, self.collectives)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Loads a consolidated (or plain torch) optimizer state dict; each rank keeps its shards."""
+        load_consolidated_state_dict(self.optimizer, self.flat_params, self.original_groups, state_dict)
+
+    @torch.no_grad()
+    def after_params_loaded(self) -> None:
+        """Refreshes master shards after the module's parameters were overwritten (e.g. ``load_state_dict``)."""
+        for fp in self.flat_params:
+            fp.load_shard_into_master()
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _sync_module_states(self) -> None:
+        """Rank 0's parameters and buffers to every rank, as DDP does at construction."""
+        if self.world_size == 1:
+            return
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            dist.broadcast(t.data, src=0, group=self.process_group)
+
+    def memory_summary(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by kind."""
+        out = {"params": 0, "master": 0, "grad_shard": 0, "optimizer_state": 0}
+        for fp in self.flat_params:
+            out["params"] += fp.full.numel() * fp.full.element_size()
+            if not fp.master_aliases_shard:
+                out["master"] += fp.master.numel() * 4
+            out["grad_shard"] += fp.grad_shard.numel() * 4
+            for v in self.optimizer.state.get(fp.master, {}).values():
+                if torch.is_tensor(v):
+                    out["optimizer_state"] += v.numel() * v.element_size()
+        return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    shards: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients sharded across ``group``.
+
+    Each rank holds a disjoint part of the gradients (padding is zero), so the global 2-norm is the square root of the
+    all-reduced sum of the local sums of squares (inf-norm: the all-reduced max). Clipping then scales every shard by
+    ``min(1, max_norm / (norm + 1e-6))``, as torch does.
+
+    Args:
+        shards: tensors whose ``.grad`` are this rank's gradient shards (any device; ``None`` grads are skipped).
+        max_norm: the largest allowed global norm.
+        norm_type: 2.0 or ``inf``.
+
+    Returns:
+        The global norm before clipping, a 0-dim fp32 tensor on the first gradient's device (CPU if none).
+
+    Raises:
+        ValueError: for another ``norm_type``.
+    """
+    grads = [s.grad for s in shards if s.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    backend_device = _comm_device(group)
+    if norm_type == 2.0:
+        local = torch.zeros((), dtype=torch.float64, device=backend_device)
+        for g in grads:
+            local += g.double().pow(2).sum().to(backend_device)
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        total = local.sqrt().float()
+    elif norm_type == float("inf"):
+        local = torch.zeros((), dtype=torch.float32, device=backend_device)
+        for g in grads:
+            local = torch.maximum(local, g.abs().max().float().to(backend_device))
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) is not supported: use 2.0 or inf")
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(clip_coef.to(g.device))
+    return total.to(device)
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,239 @@
+"""ZeroStrategy: zeroshard's ZeRO engine as a Lightning strategy.
+
+It subclasses Lightning's ``DDPStrategy`` for everything that is not ZeRO: the launcher (``devices=N`` re-runs the
+script per rank, or ``torchrun`` sets the ranks), process-group set-up (gloo on CPU, NCCL on CUDA), the distributed
+sampler, ``self.log(..., sync_dist=True)``, barriers and broadcasts. Instead of wrapping the model in
+``DistributedDataParallel`` it builds a :class:`~zeroshard.engine.ZeroEngine` over the LightningModule and the optimizer
+from ``configure_optimizers`` (the same place Lightning's ``DeepSpeedStrategy`` builds its engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+
+from zeroshard.config import ZeroConfig
+from zeroshard.engine import ZeroEngine
+from zeroshard.precision import ZeroPrecision
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO stage 1/2 data parallelism with optional CPU offload of the optimizer, for ``lightning.Trainer``.
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2))
+        trainer = Trainer(accelerator="cuda", devices=8, strategy="zeroshard_stage_2_offload")
+
+    Args:
+        stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients
+            (Rajbhandari et al. 2020, "ZeRO", section 5).
+        offload_optimizer: master weights and optimizer state in host memory, stepped by the fused
+            :class:`~zeroshard.CPUAdam` (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021).
+        reduce_bucket_size: elements per gradient bucket (one collective each).
+        allgather_bucket_size: elements per all-gather of updated parameters.
+        max_inflight_buckets: gradient reductions in flight during backward.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
+        timeout: collective timeout; a rank that stops answering ends the job with an error after it.
+        start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
+
+    Raises:
+        ValueError: at construction, for an unknown stage or an impossible setting, naming it.
+        ValueError: when the Trainer is built, for a precision this version does not support.
+        RuntimeError: at setup, if ``configure_optimizers`` returns more than one optimizer.
+    """
+
+    strategy_name = "zeroshard"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        reduce_bucket_size: int = 25_000_000,
+        allgather_bucket_size: int = 25_000_000,
+        max_inflight_buckets: int = 2,
+        *,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            max_inflight_buckets=max_inflight_buckets,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._engine: ZeroEngine | None = None
+
+    # -- precision ----------------------------------------------------------------------------------------------------
+
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into a ZeroPrecision."""
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+        elif type(plugin) is Precision:
+            self._precision_plugin = ZeroPrecision("32-true")
+        elif isinstance(plugin, MixedPrecision):
+            self._precision_plugin = ZeroPrecision(plugin.precision)
+        else:
+            raise ValueError(
+                f"ZeroStrategy cannot use the precision plugin {type(plugin).__name__} "
+                f"(precision={getattr(plugin, 'precision', '?')!r}): pass Trainer(precision='32-true')."
+            )
+
+    # -- setup and teardown -------------------------------------------------------------------------------------------
+
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise RuntimeError(
+                    f"ZeroStrategy shards one optimizer; configure_optimizers returned {len(self.optimizers)}. "
+                    "Put all parameters into one optimizer with several param groups."
+                )
+            self._build_engine(self._unwrap(self.optimizers[0]))
+        else:
+            self._sync_module_states()
+        self.setup_precision_plugin()
+
+    def _build_engine(self, optimizer: Optimizer) -> None:
+        assert self.lightning_module is not None
+        engine = ZeroEngine(self.lightning_module, optimizer, self.zero_config)
+        if engine.optimizer is not optimizer:
+            for config in self.lr_scheduler_configs:
+                config.scheduler.optimizer = engine.optimizer
+            self.optimizers = [engine.optimizer]
+        self._engine = engine
+
+    @torch.no_grad()
+    def _sync_module_states(self) -> None:
+        if not torch.distributed.is_initialized() or self.world_size == 1:
+            return
+        assert self.lightning_module is not None
+        for t in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
+            torch.distributed.broadcast(t.data, src=0)
+
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove_hooks()
+            self._engine = None
+        super().teardown()
+
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The engine built at ``fit`` setup (``None`` before, and outside fitting)."""
+        return self._engine
+
+    # -- training step ------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skips gradient communication for the non-final micro-batches of gradient accumulation."""
+        if self._engine is None:
+            yield
+            return
+        self._engine.require_grad_sync = False
+        try:
+            yield
+        finally:
+            self._engine.require_grad_sync = True
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self._engine is not None:
+            self._engine.finish_backward()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._engine is not None:
+            self._engine.after_step()
+        return output
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full parameters and buffers (stages 1-2 keep parameters whole), as CPU copies on rank 0; ``{}`` elsewhere."""
+        assert self.lightning_module is not None
+        if not self.is_global_zero:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in self.lightning_module.state_dict().items()}
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Consolidated optimizer state in torch's format (rank 0); collective, every rank must call it."""
+        optimizer = self._unwrap(optimizer)
+        if self._engine is not None and optimizer is self._engine.optimizer:
+            return self._engine.optimizer_state_dict()
+        return super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if self._engine is not None:
+            self._engine.after_params_loaded()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._engine is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise ValueError(f"the checkpoint holds {len(states)} optimizer states; ZeroStrategy runs one optimizer")
+        self._engine.load_optimizer_state_dict(states[0])
+
+    @staticmethod
+    def _unwrap(optimizer: Optimizer) -> Optimizer:
+        return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+    # -- registry -----------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        """Registers ``zeroshard_stage_1``, ``zeroshard_stage_2`` and ``zeroshard_stage_2_offload``."""
+        entries = (
+            ("zeroshard_stage_1", "ZeRO stage 1: optimizer state sharded", {"stage": 1}),
+            ("zeroshard_stage_2", "ZeRO stage 2: optimizer state and gradients sharded", {"stage": 2}),
+            (
+                "zeroshard_stage_2_offload",
+                "ZeRO stage 2 with master weights and optimizer state offloaded to the CPU (fused CPUAdam)",
+                {"stage": 2, "offload_optimizer": True},
+            ),
+        )
+        for name, description, params in entries:
+            strategy_registry.register(name, cls, description=description, override=True, **params)
