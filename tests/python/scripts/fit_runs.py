@@ -1,0 +1,70 @@
+"""Rank worker for the parity and resume tests: runs several Trainer.fit calls over one process group.
+
+Usage (one process per rank, started by ``launch.run_ranks``):
+    fit_runs.py OUT_DIR RUNS_JSON
+
+Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional ``stage``, ``offload``, ``optimizer``,
+``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
+(ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``. Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
+``{name}.pt`` (final parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from tiny_lm import TinyLM, token_dataset
+
+import zeroshard
+
+
+def make_strategy(run: dict):
+    if run["strategy"] == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    return zeroshard.ZeroStrategy(
+        stage=run.get("stage", 2),
+        offload_optimizer=run.get("offload", False),
+        reduce_bucket_size=run.get("reduce_bucket_size", 3000),
+        allgather_bucket_size=run.get("allgather_bucket_size", 7000),
+    )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    runs = json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    for run in runs:
+        L.seed_everything(run.get("seed", 7), verbose=False)
+        model = TinyLM(optimizer=run.get("optimizer", "adamw"))
+        loader = torch.utils.data.DataLoader(token_dataset(), batch_size=4)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=make_strategy(run),
+            max_steps=run.get("max_steps", -1 if "max_epochs" in run else 20),
+            max_epochs=run.get("max_epochs", -1),
+            accumulate_grad_batches=run.get("accumulate", 1),
+            gradient_clip_val=run.get("clip"),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            deterministic=True,
+        )
+        trainer.fit(model, loader, ckpt_path=run.get("resume_from"))
+        if run.get("save_ckpt"):
+            trainer.save_checkpoint(run["save_ckpt"])
+        rank = trainer.global_rank
+        (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps({"losses": model.losses}))
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{run['name']}.pt")
+        trainer.strategy.barrier()
+
+
+if __name__ == "__main__":
+    main()

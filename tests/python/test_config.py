@@ -1,0 +1,47 @@
+"""Bad settings fail when the strategy or the Trainer is built, with a message naming the setting and the fix."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+import zeroshard
+from zeroshard import ZeroStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stage": 4}, r"stage=4.*use 1"),
+        ({"stage": 0}, r"stage=0"),
+        ({"stage": "2"}, r"stage='2'"),
+        ({"stage": True}, r"stage=True"),
+        ({"stage": 3}, r"stage=3.*not available"),
+        ({"reduce_bucket_size": 0}, r"reduce_bucket_size=0.*positive integer"),
+        ({"allgather_bucket_size": -5}, r"allgather_bucket_size=-5"),
+        ({"allgather_bucket_size": 1.5}, r"allgather_bucket_size=1.5"),
+        ({"max_inflight_buckets": 0}, r"max_inflight_buckets=0"),
+        ({"offload_optimizer": "yes"}, r"offload_optimizer='yes'"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroStrategy(**kwargs)
+
+
+def test_unsupported_precision_fails_when_trainer_is_built():
+    with pytest.raises(ValueError, match=r"precision='bf16-mixed'.*32-true"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2), precision="bf16-mixed", logger=False)
+
+
+@pytest.mark.parametrize(
+    "name, stage, offload",
+    [("zeroshard_stage_1", 1, False), ("zeroshard_stage_2", 2, False), ("zeroshard_stage_2_offload", 2, True)],
+)
+def test_registered_names(name, stage, offload):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.zero_config.stage == stage
+    assert trainer.strategy.zero_config.offload_optimizer is offload
+    assert isinstance(trainer.strategy.precision_plugin, zeroshard.ZeroPrecision)
+    assert trainer._accelerator_connector.is_distributed

@@ -1,0 +1,75 @@
+"""A small language model for the engine tests: tied embedding/head, a frozen parameter, several param groups."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, SEQ = 64, 32, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(L.LightningModule):
+    """Embedding -> 2 residual MLP blocks -> LayerNorm -> head tied to the embedding.
+
+    ``frozen_scale`` is a frozen parameter (no gradient, no optimizer state). ``optimizer`` picks the torch optimizer.
+    """
+
+    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, record: list | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen_scale = nn.Parameter(torch.full((DIM,), 0.5), requires_grad=False)
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.losses: list[float] = [] if record is None else record
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) * (1 + self.frozen_scale)
+        return self.head(self.norm(self.blocks(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(groups, lr=self.lr)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(groups, lr=self.lr)
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        raise ValueError(self.optimizer_name)
+
+
+def token_dataset(n: int = 256, seed: int = 1234) -> torch.utils.data.TensorDataset:
+    """Sequences from a fixed random bigram table, so there is something to learn."""
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, VOCAB, (VOCAB, 4), generator=g)
+    data = torch.empty(n, SEQ + 1, dtype=torch.long)
+    data[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
+    for t in range(SEQ):
+        choice = torch.randint(0, 4, (n,), generator=g)
+        data[:, t + 1] = nxt[data[:, t], choice]
+    return torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:])
