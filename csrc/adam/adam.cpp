@@ -1,1 +1,208 @@
-// placeholder
+#include "adam/adam.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <vector>
+
+#include "adam/adam_kernel.h"
+
+namespace zeroshard {
+namespace {
+
+using adam_kernel::Args;
+using adam_kernel::Factors;
+using adam_kernel::GradType;
+using adam_kernel::KernelFn;
+using adam_kernel::OutType;
+
+void check_tensor(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.defined(), "adam_step: ", name, " is an undefined tensor; pass a CPU tensor");
+  TORCH_CHECK(t.device().is_cpu(), "adam_step: ", name, " is on ", t.device(),
+              "; the fused CPU Adam needs CPU tensors (move it with .cpu(), or use a GPU optimizer)");
+  TORCH_CHECK(t.layout() == at::kStrided, "adam_step: ", name, " has layout ", t.layout(),
+              "; only dense (strided) tensors are supported (convert with .to_dense())");
+  TORCH_CHECK(t.is_contiguous(), "adam_step: ", name, " is not contiguous (sizes ", t.sizes(), ", strides ",
+              t.strides(), "); pass a contiguous tensor (e.g. keep optimizer state in .contiguous() buffers). ",
+              "No silent copy is made, since the update is in place");
+}
+
+void check_numel(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK_VALUE(t.numel() == n, "adam_step: ", name, " has ", t.numel(), " elements but param has ", n,
+                    "; all tensors of one step must have the same number of elements");
+}
+
+void check_no_overlap(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
+  const auto s = at::get_overlap_status(a, b);
+  TORCH_CHECK(s == at::MemOverlapStatus::No || s == at::MemOverlapStatus::TooHard, "adam_step: ", an, " and ", bn,
+              " share memory; each must be its own buffer");
+}
+
+GradType grad_type_of(const at::Tensor& grad) {
+  switch (grad.scalar_type()) {
+    case at::kFloat:
+      return GradType::kFloat32;
+    case at::kBFloat16:
+      return GradType::kBFloat16;
+    case at::kHalf:
+      return GradType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "adam_step: grad has dtype ", grad.scalar_type(),
+                       "; supported gradient dtypes are float32, bfloat16 and float16 (cast it with .float())");
+  }
+}
+
+OutType out_type_of(const at::Tensor& out) {
+  switch (out.scalar_type()) {
+    case at::kFloat:
+      return OutType::kFloat32;
+    case at::kBFloat16:
+      return OutType::kBFloat16;
+    case at::kHalf:
+      return OutType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "adam_step: param_out has dtype ", out.scalar_type(),
+                       "; supported param_out dtypes are bfloat16, float16 and float32");
+  }
+}
+
+void check_hyper(const AdamHyper& h) {
+  TORCH_CHECK_VALUE(h.step >= 1, "adam_step: step=", h.step, " is invalid; step counts from 1 (increment first)");
+  TORCH_CHECK_VALUE(h.lr >= 0.0, "adam_step: invalid learning rate lr=", h.lr, "; need lr >= 0");
+  TORCH_CHECK_VALUE(h.beta1 >= 0.0 && h.beta1 < 1.0, "adam_step: invalid beta1=", h.beta1, "; need 0 <= beta1 < 1");
+  TORCH_CHECK_VALUE(h.beta2 >= 0.0 && h.beta2 < 1.0, "adam_step: invalid beta2=", h.beta2, "; need 0 <= beta2 < 1");
+  TORCH_CHECK_VALUE(h.eps >= 0.0, "adam_step: invalid eps=", h.eps, "; need eps >= 0");
+  TORCH_CHECK_VALUE(h.weight_decay >= 0.0, "adam_step: invalid weight_decay=", h.weight_decay,
+                    "; need weight_decay >= 0");
+}
+
+// Host-side factors, computed in double and rounded to float where torch rounds its Python-float scalars
+// (torch/optim/adam.py, _single_tensor_adam; ATen casts a double scalar to the float op-math type).
+Factors make_factors(const AdamHyper& h) {
+  Factors f;
+  if (h.weight_decay != 0.0) {
+    if (h.adamw_mode) {
+      f.decoupled_decay = true;
+      f.decay_mul = static_cast<float>(1.0 - h.lr * h.weight_decay);  // param.mul_(1 - lr * wd)
+    } else {
+      f.l2_decay = true;
+      f.weight_decay = static_cast<float>(h.weight_decay);  // grad.add(param, alpha=wd)
+    }
+  }
+  // exp_avg.lerp_(grad, 1 - beta1): ATen uses self + w*(end - self) for |w| < 0.5, else end - (1 - w)*(end - self),
+  // each as one fma in its vector kernel.
+  const float w = static_cast<float>(1.0 - h.beta1);
+  f.lerp_small = std::abs(w) < 0.5f;
+  f.lerp_coeff = f.lerp_small ? w : w - 1.0f;
+  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+  f.beta2 = static_cast<float>(h.beta2);
+  f.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
+  double step_size = h.lr;
+  double bc2_sqrt = 1.0;
+  if (h.bias_correction) {
+    const double t = static_cast<double>(h.step);
+    step_size = h.lr / (1.0 - std::pow(h.beta1, t));       // Python's beta1**step is C pow
+    bc2_sqrt = std::pow(1.0 - std::pow(h.beta2, t), 0.5);  // torch writes bias_correction2**0.5, not sqrt
+  }
+  f.bc2_sqrt = static_cast<float>(bc2_sqrt);
+  f.eps = static_cast<float>(h.eps);
+  f.neg_step_size = static_cast<float>(-step_size);  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  return f;
+}
+
+KernelFn kernel_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      return adam_kernel::avx2::run;
+    case CpuIsa::kAvx512:
+      return adam_kernel::avx512::run;
+    case CpuIsa::kScalar:
+      break;
+  }
+  return adam_kernel::scalar::run;
+}
+
+// In-place writes through raw pointers bypass autograd's version counter; bump it like an in-place op would, so a
+// graph that saved the old value errors instead of silently using the new one.
+void bump_version(const at::Tensor& t) {
+  if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                                   const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
+                                   const std::optional<at::Tensor>& param_out, bool compute_grad_stats,
+                                   std::optional<std::string_view> isa) {
+  // --- Validate everything first: nothing is written unless every check passes.
+  check_tensor(param, "param");
+  check_tensor(grad, "grad");
+  check_tensor(exp_avg, "exp_avg");
+  check_tensor(exp_avg_sq, "exp_avg_sq");
+  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat, "adam_step: param has dtype ", param.scalar_type(),
+                   "; the master weights must be float32 (keep an fp32 master copy, write the compute dtype through ",
+                   "param_out)");
+  TORCH_CHECK_TYPE(exp_avg.scalar_type() == at::kFloat, "adam_step: exp_avg has dtype ", exp_avg.scalar_type(),
+                   "; optimizer state must be float32");
+  TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == at::kFloat, "adam_step: exp_avg_sq has dtype ", exp_avg_sq.scalar_type(),
+                   "; optimizer state must be float32");
+  const GradType grad_type = grad_type_of(grad);
+  const int64_t n = param.numel();
+  check_numel(grad, "grad", n);
+  check_numel(exp_avg, "exp_avg", n);
+  check_numel(exp_avg_sq, "exp_avg_sq", n);
+  check_no_overlap(param, "param", exp_avg, "exp_avg");
+  check_no_overlap(param, "param", exp_avg_sq, "exp_avg_sq");
+  check_no_overlap(exp_avg, "exp_avg", exp_avg_sq, "exp_avg_sq");
+  check_no_overlap(grad, "grad", param, "param");
+  check_no_overlap(grad, "grad", exp_avg, "exp_avg");
+  check_no_overlap(grad, "grad", exp_avg_sq, "exp_avg_sq");
+  OutType out_type = OutType::kNone;
+  if (param_out.has_value()) {
+    const at::Tensor& out = *param_out;
+    check_tensor(out, "param_out");
+    out_type = out_type_of(out);
+    check_numel(out, "param_out", n);
+    check_no_overlap(out, "param_out", param, "param");
+    check_no_overlap(out, "param_out", grad, "grad");
+    check_no_overlap(out, "param_out", exp_avg, "exp_avg");
+    check_no_overlap(out, "param_out", exp_avg_sq, "exp_avg_sq");
+  }
+  check_hyper(hyper);
+  const KernelFn kernel = kernel_for(resolve_cpu_isa(isa));
+
+  // --- Run: fixed chunks, so the partial sums and their order do not depend on the thread count.
+  Args args;
+  args.param = param.data_ptr<float>();
+  args.exp_avg = exp_avg.data_ptr<float>();
+  args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  args.grad = grad.data_ptr();
+  args.grad_type = grad_type;
+  args.param_out = param_out.has_value() ? param_out->data_ptr() : nullptr;
+  args.out_type = out_type;
+  args.f = make_factors(hyper);
+
+  const int64_t chunks = (n + kAdamChunk - 1) / kAdamChunk;
+  std::vector<double> partial(compute_grad_stats ? chunks : 0, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const double s = kernel(args, c * kAdamChunk, std::min(n, (c + 1) * kAdamChunk), compute_grad_stats);
+      if (compute_grad_stats) partial[c] = s;
+    }
+  });
+  bump_version(param);
+  bump_version(exp_avg);
+  bump_version(exp_avg_sq);
+  if (param_out.has_value()) bump_version(*param_out);
+
+  if (!compute_grad_stats) return std::nullopt;
+  GradStats stats;
+  for (double s : partial) stats.grad_sq_sum += s;
+  // Squares are formed in double, where no finite float overflows, so a non-finite sum means a non-finite gradient.
+  stats.found_inf = !std::isfinite(stats.grad_sq_sum);
+  return stats;
+}
+
+}  // namespace zeroshard

@@ -1,1 +1,78 @@
-// placeholder
+// AVX-512 (F, BW, VL, DQ) build of the Adam kernel (16 floats per vector). Compiled with -mavx512f/bw/vl/dq plus
+// -mavx2 -mfma -mf16c; only called after cpu_isa.cpp has checked the CPU and the OS (ZMM state) support them.
+// Tails use masked loads and stores, so no element past the end is touched.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "adam/adam_kernel.h"
+#include "adam/adam_kernel_impl.h"
+
+namespace zeroshard::adam_kernel::avx512 {
+namespace {
+
+struct Ops {
+  using V = __m512;
+  using Mask = __mmask16;
+  struct Acc {
+    __m512d lo, hi;
+  };
+  static constexpr int64_t kWidth = 16;
+  static constexpr bool kMasked = true;
+
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+
+  static __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+  static __m256i narrow_bf16(V x) {
+    // Round to nearest even: add 0x7FFF + lsb of the kept half; NaN -> 0x7FC0. Values fit 16 bits: truncating pack.
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, is_nan, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+  }
+  static __m256i narrow_fp16(V x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const BF16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V load(const FP16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void store(BF16* p, V x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16(x)); }
+  static void store(FP16* p, V x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_fp16(x)); }
+
+  static Mask mask(int64_t r) { return static_cast<Mask>((1u << r) - 1u); }
+  static V load_masked(const float* p, Mask k) { return _mm512_maskz_loadu_ps(k, p); }
+  static V load_masked(const BF16* p, Mask k) { return widen_bf16(_mm256_maskz_loadu_epi16(k, p)); }
+  static V load_masked(const FP16* p, Mask k) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p)); }
+  static void store_masked(float* p, V x, Mask k) { _mm512_mask_storeu_ps(p, k, x); }
+  static void store_masked(BF16* p, V x, Mask k) { _mm256_mask_storeu_epi16(p, k, narrow_bf16(x)); }
+  static void store_masked(FP16* p, V x, Mask k) { _mm256_mask_storeu_epi16(p, k, narrow_fp16(x)); }
+
+  static Acc acc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+  // Squares in double: exact, and finite floats cannot overflow them (see the AVX2 build).
+  static Acc acc_add_sq(Acc a, V g) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(g));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(g), 1)));
+    return {_mm512_fmadd_pd(lo, lo, a.lo), _mm512_fmadd_pd(hi, hi, a.hi)};
+  }
+  static double acc_sum(Acc a) {
+    alignas(64) double t[8];
+    _mm512_store_pd(t, _mm512_add_pd(a.lo, a.hi));
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+  }
+};
+
+}  // namespace
+
+double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq) {
+  return impl::run<Ops>(args, begin, end, want_grad_sq);
+}
+
+}  // namespace zeroshard::adam_kernel::avx512

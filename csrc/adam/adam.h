@@ -1,0 +1,51 @@
+// Fused Adam / AdamW step on CPU tensors: one pass over fp32 master weights, both moments and the gradient, with the
+// gradient upcast (bf16/fp16) and the compute-dtype copy of the weights (param_out) folded into the same pass.
+// Source: Kingma & Ba 2015 (Adam, Alg. 1); Loshchilov & Hutter 2019 (decoupled weight decay). Numerics follow
+// torch.optim.Adam / AdamW (single-tensor CPU path) operation by operation.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "adam/cpu_isa.h"
+
+namespace zeroshard {
+
+struct AdamHyper {
+  int64_t step = 1;             // 1-based step count *after* this step's increment (torch's state["step"])
+  double lr = 1e-3;             // >= 0
+  double beta1 = 0.9;           // in [0, 1)
+  double beta2 = 0.999;         // in [0, 1)
+  double eps = 1e-8;            // >= 0
+  double weight_decay = 0.0;    // >= 0
+  bool adamw_mode = true;       // true: decoupled decay p *= 1 - lr*wd (AdamW); false: L2, g += wd*p (Adam)
+  bool bias_correction = true;  // false: step_size = lr and no sqrt(1 - beta2^t) scaling
+};
+
+struct GradStats {
+  double grad_sq_sum = 0.0;  // sum over elements of upcast(grad)^2, in double (fixed summation order)
+  bool found_inf = false;    // some gradient element is inf or NaN
+};
+
+// Elements per work chunk. Chunks are the unit of threading and of the statistics' partial sums, so results never
+// depend on the thread count. A multiple of 64 so chunk starts stay vector- and cache-line aligned.
+constexpr int64_t kAdamChunk = 64 * 1024;
+
+// One Adam/AdamW step, in place on param, exp_avg and exp_avg_sq; writes param_out if given.
+//   param, exp_avg, exp_avg_sq: fp32, CPU, dense, contiguous, same numel, not overlapping one another.
+//   grad: fp32, bf16 or fp16, CPU, dense, contiguous, same numel (any shape).
+//   param_out: optional bf16, fp16 or fp32, same constraints; receives the updated param (bf16: round to nearest
+//     even, NaN kept NaN; fp16: round to nearest even, overflow to inf).
+//   isa: "scalar" | "avx2" | "avx512" to force a kernel build (else ZEROSHARD_CPU_ISA, else the best supported).
+// Returns the gradient statistics if compute_grad_stats, else nullopt. Validates every argument before touching
+// memory; throws c10::Error / ValueError / TypeError naming the bad argument and the fix. Threads: at::parallel_for
+// over kAdamChunk-element chunks (at::get_num_threads() threads).
+std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                                   const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
+                                   const std::optional<at::Tensor>& param_out = std::nullopt,
+                                   bool compute_grad_stats = false, std::optional<std::string_view> isa = std::nullopt);
+
+}  // namespace zeroshard

@@ -1,0 +1,69 @@
+// Plain-C++ interface of the fused Adam/AdamW kernel. No torch header here: the three ISA builds of the kernel
+// (adam_kernel_{scalar,avx2,avx512}.cpp) include this file, and any inline torch function they pulled in could be
+// emitted with AVX-512 instructions and picked by the linker for code that runs on older CPUs.
+#pragma once
+
+#include <cstdint>
+
+namespace zeroshard::adam_kernel {
+
+// 16-bit storage types, distinct so overloads pick the right conversion.
+struct BF16 {
+  uint16_t bits;
+};
+struct FP16 {
+  uint16_t bits;
+};
+
+enum class GradType : uint8_t { kFloat32, kBFloat16, kFloat16 };
+enum class OutType : uint8_t { kNone, kFloat32, kBFloat16, kFloat16 };
+
+// Per-step factors, computed in double on the host and rounded to float exactly as torch rounds its Python-float
+// scalars (see adam.cpp). The kernel does, per element, in this order (fma = one rounding, like torch's vector code):
+//   g = upcast(grad)                                   stats: sum += double(g)^2
+//   L2 (Adam):      g = fma(p, weight_decay, g)
+//   decoupled:      p = p * decay_mul                  (decay_mul = 1 - lr*wd)
+//   m = lerp_small ? fma(lerp_coeff, g - m, m) : fma(lerp_coeff, g - m, g)   (torch's lerp, weight = 1 - beta1)
+//   v = fma(one_minus_beta2 * g, g, v * beta2)                              (torch's mul_ + addcmul_)
+//   p = p + (neg_step_size * m) / (sqrt(v) / bc2_sqrt + eps)                (torch's addcdiv_)
+//   param_out = convert(p)
+struct Factors {
+  bool l2_decay = false;         // Adam mode with weight_decay != 0
+  bool decoupled_decay = false;  // AdamW mode with weight_decay != 0
+  float weight_decay = 0.f;
+  float decay_mul = 1.f;
+  bool lerp_small = true;  // torch's lerp switches formula at |weight| < 0.5
+  float lerp_coeff = 0.f;  // weight if lerp_small, else weight - 1
+  float beta2 = 0.f;
+  float one_minus_beta2 = 0.f;
+  float bc2_sqrt = 1.f;
+  float eps = 0.f;
+  float neg_step_size = 0.f;
+};
+
+struct Args {
+  float* param = nullptr;       // fp32 master weights, updated in place
+  float* exp_avg = nullptr;     // fp32, updated in place
+  float* exp_avg_sq = nullptr;  // fp32, updated in place
+  const void* grad = nullptr;   // grad_type elements, read only
+  GradType grad_type = GradType::kFloat32;
+  void* param_out = nullptr;  // out_type elements, written; null when out_type is kNone
+  OutType out_type = OutType::kNone;
+  Factors f;
+};
+
+// Steps elements [begin, end) of the arrays in args. Returns the sum of squares of the upcast gradient over that
+// range (in double, a fixed order for a given ISA and range) when want_grad_sq, else 0.
+using KernelFn = double (*)(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
+
+namespace scalar {
+double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
+}
+namespace avx2 {
+double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
+}
+namespace avx512 {
+double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
+}
+
+}  // namespace zeroshard::adam_kernel
