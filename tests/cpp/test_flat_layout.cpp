@@ -54,6 +54,16 @@ TEST(FlatLayout, WorldSizeThreePadsToMultiple) {
   EXPECT_EQ(l.shard_slices(2), (std::vector<ShardSlice>{}));  // rank 2 holds only padding
 }
 
+TEST(FlatLayout, ParamSpanningSeveralShards) {
+  FlatParamLayout l({{2}, {5, 6}}, 4, 2);
+  EXPECT_EQ(l.offsets(), (std::vector<int64_t>{0, 2}));
+  EXPECT_EQ(l.padded_numel(), 32);
+  EXPECT_EQ(l.shard_slices(0), (std::vector<ShardSlice>{{0, 0, 0, 2}, {1, 0, 2, 6}}));
+  EXPECT_EQ(l.shard_slices(1), (std::vector<ShardSlice>{{1, 6, 0, 8}}));
+  EXPECT_EQ(l.shard_slices(2), (std::vector<ShardSlice>{{1, 14, 0, 8}}));
+  EXPECT_EQ(l.shard_slices(3), (std::vector<ShardSlice>{{1, 22, 0, 8}}));
+}
+
 TEST(FlatLayout, EmptyLayout) {
   FlatParamLayout l({}, 4, 16);
   EXPECT_EQ(l.total_numel(), 0);
