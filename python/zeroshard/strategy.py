@@ -128,6 +128,7 @@ class ZeroStrategy(DDPStrategy):
                 )
             self._build_engine(self._unwrap(self.optimizers[0]))
         else:
+            self._engine = None
             self._sync_module_states()
         self.setup_precision_plugin()
 
@@ -149,9 +150,10 @@ class ZeroStrategy(DDPStrategy):
             torch.distributed.broadcast(t.data, src=0)
 
     def teardown(self) -> None:
+        # The engine stays (hooks removed) so that `trainer.save_checkpoint` after `fit` still finds the sharded
+        # optimizer state; the next `fit` builds a new one.
         if self._engine is not None:
             self._engine.remove_hooks()
-            self._engine = None
         super().teardown()
 
     @property
