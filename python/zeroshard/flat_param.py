@@ -1,7 +1,9 @@
 """FlatParam: one bucket's parameters packed into a padded 1-D buffer, cut into one equal shard per rank.
 
-The layout (offsets, padding, shard ranges) is computed by the C++ core (``zeroshard._C.FlatParamLayout``). This class owns
-the buffers that follow that layout: the full compute-dtype buffer the module's parameters view, the fp32 master shard the
+The layout (offsets, padding, shard ranges) is computed by the C++ core (``zeroshard._C.FlatParamLayout``). This class
+owns
+the buffers that follow that layout: the full compute-dtype buffer the module's parameters view, the fp32 master shard
+the
 optimizer steps, and the gradient buffers. It matches FSDP1's ``FlatParameter`` with ``use_orig_params=True``: the
 original ``nn.Parameter`` objects stay in the module (so names, tied weights and ``self.parameters()`` keep working) and
 their ``.data`` becomes a view into the flat buffer.
@@ -31,9 +33,11 @@ class FlatParam:
         layout: ``_C.FlatParamLayout``; ``layout.padded_numel == world_size * layout.shard_numel``.
         full: 1-D tensor, ``layout.padded_numel`` elements, the parameters' dtype and device; parameters view it.
         shard: 1-D view of this rank's ``layout.shard_numel`` elements of :attr:`full`.
-        master: ``nn.Parameter``, fp32, ``layout.shard_numel`` elements, on ``master_device``. Aliases :attr:`shard` when
+        master: ``nn.Parameter``, fp32, ``layout.shard_numel`` elements, on ``master_device``. Aliases :attr:`shard`
+        when
             the parameters are fp32 and on ``master_device`` (no extra memory, as in FSDP2's sharded parameter).
-        grad_shard: fp32 gradient shard (``layout.shard_numel``), filled by the reducer after each synchronised backward.
+        grad_shard: fp32 gradient shard (``layout.shard_numel``), filled by the reducer after each synchronised
+        backward.
         full_grad: full-size gradient accumulation buffer (allocated on first use, freed after its reduce-scatter at
             stage 2, kept at stage 1).
     """

@@ -2,8 +2,10 @@
 
 During backward, a post-accumulate-grad hook on every bucketed parameter adds its fresh gradient into its bucket's
 full-size gradient buffer and drops ``param.grad``. When every parameter of a bucket has reported (and all earlier
-buckets were launched, so every rank issues collectives in one order), the bucket is reduced asynchronously while backward
-goes on: reduce-scatter into the gradient shard at stage 2, all-reduce at stage 1. At most ``max_inflight`` reductions are
+buckets were launched, so every rank issues collectives in one order), the bucket is reduced asynchronously while
+backward
+goes on: reduce-scatter into the gradient shard at stage 2, all-reduce at stage 1. At most ``max_inflight`` reductions
+are
 in flight; beyond that the oldest is waited on and its full buffer freed, which bounds stage 2's gradient memory.
 
 When backward ends (an autograd engine callback, with the strategy's ``post_backward`` as a fallback), buckets that

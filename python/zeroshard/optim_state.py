@@ -112,7 +112,11 @@ def load_consolidated_state_dict(
         keys = sorted({k for _, s in present for k in s})
         for key in keys:
             first = next(s[key] for _, s in present if key in s)
-            if torch.is_tensor(first) and first.dim() > 0 and first.shape == next(p for p, s in present if key in s).shape:
+            if (
+                torch.is_tensor(first)
+                and first.dim() > 0
+                and first.shape == next(p for p, s in present if key in s).shape
+            ):
                 shard = torch.zeros(fp.layout.shard_numel, dtype=first.dtype, device=master.device)
                 for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
                     s = states[pi]

@@ -40,7 +40,9 @@ def run_ranks(script: str | Path, args: list[str], world_size: int = 2, timeout:
             LOCAL_RANK=str(rank),
             NODE_RANK="0",
             OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO / "python"), str(REPO / "tests" / "python"), env.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join(
+                [str(REPO / "python"), str(REPO / "tests" / "python"), env.get("PYTHONPATH", "")]
+            ),
         )
         procs.append(
             subprocess.Popen(
@@ -64,6 +66,8 @@ def run_ranks(script: str | Path, args: list[str], world_size: int = 2, timeout:
         failed |= p.returncode != 0
         outputs.append(out)
     if failed:
-        report = "\n".join(f"===== rank {r} (exit {p.returncode}) =====\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outputs)))
+        report = "\n".join(
+            f"===== rank {r} (exit {p.returncode}) =====\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outputs))
+        )
         raise AssertionError(f"{script} failed:\n{report}")
     return outputs

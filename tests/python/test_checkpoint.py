@@ -39,7 +39,9 @@ def test_fit_save_resume_round_trip(tmp_path):
         for name, rtol in (("resumed", 1e-6), ("resumed_stage1", 1e-5), ("from_ddp", 1e-5)):
             resumed = _losses(tmp_path, name, rank)
             assert len(resumed) == STEPS_PER_EPOCH, name
-            torch.testing.assert_close(resumed, straight[STEPS_PER_EPOCH:], rtol=rtol, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                resumed, straight[STEPS_PER_EPOCH:], rtol=rtol, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
 
     final = torch.load(tmp_path / "straight.pt")
     resumed = torch.load(tmp_path / "resumed.pt")

@@ -30,7 +30,9 @@ def _assert_same_run(tmp_path: Path, ref: str, other: str, n_losses: int) -> Non
     for rank in range(2):
         a, b = _losses(tmp_path, ref, rank), _losses(tmp_path, other, rank)
         assert len(a) == len(b) == n_losses, (ref, other, len(a), len(b))
-        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=lambda m: f"{other} vs {ref} losses, rank {rank}: {m}")
+        torch.testing.assert_close(
+            b, a, rtol=RTOL, atol=ATOL, msg=lambda m, r=rank: f"{other} vs {ref} losses, rank {r}: {m}"
+        )
     pa, pb = torch.load(tmp_path / f"{ref}.pt"), torch.load(tmp_path / f"{other}.pt")
     assert pa.keys() == pb.keys()
     for k in pa:
@@ -85,3 +87,19 @@ def test_one_bucket_per_parameter_and_one_bucket_for_all(tmp_path):
     _run(tmp_path, runs)
     _assert_same_run(tmp_path, "ddp", "tiny_buckets", 20)
     _assert_same_run(tmp_path, "ddp", "one_bucket", 20)
+
+
+def test_validation_and_test_with_sync_dist(tmp_path):
+    """Validation inside fit and ``trainer.test`` after it, logged with ``sync_dist=True``, equal DDP's values."""
+    runs = [
+        {"name": "ddp", "strategy": "ddp", "validate": True, "max_steps": 10},
+        {"name": "stage2", "strategy": "zeroshard", "validate": True, "max_steps": 10},
+    ]
+    _run(tmp_path, runs)
+    for rank in range(2):
+        ref = json.loads((tmp_path / f"ddp_rank{rank}.json").read_text())
+        got = json.loads((tmp_path / f"stage2_rank{rank}.json").read_text())
+        for key in ("val_loss", "test_loss"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5), (key, rank)
+        # the DistributedSampler gave the ranks different data
+        assert got["losses"][0] != json.loads((tmp_path / f"stage2_rank{1 - rank}.json").read_text())["losses"][0]

@@ -50,6 +50,14 @@ class TinyLM(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
+
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.requires_grad and p.dim() < 2]

@@ -5,7 +5,8 @@ Usage (one process per rank, started by ``launch.run_ranks``):
 
 Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional ``stage``, ``offload``, ``optimizer``,
 ``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
-(ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``. Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
+(ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
+``validate`` (validation every 5 steps, then ``trainer.test``). Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
 ``{name}.pt`` (final parameters).
 """
 
@@ -55,12 +56,20 @@ def main() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             deterministic=True,
+            val_check_interval=5 if run.get("validate") else None,
         )
-        trainer.fit(model, loader, ckpt_path=run.get("resume_from"))
+        val_loader = (
+            torch.utils.data.DataLoader(token_dataset(n=64, seed=99), batch_size=8) if run.get("validate") else None
+        )
+        trainer.fit(model, loader, val_loader, ckpt_path=run.get("resume_from"))
+        metrics = {}
+        if run.get("validate"):
+            metrics["val_loss"] = float(trainer.callback_metrics["val_loss"])
+            metrics["test_loss"] = trainer.test(model, val_loader, verbose=False)[0]["test_loss"]
         if run.get("save_ckpt"):
             trainer.save_checkpoint(run["save_ckpt"])
         rank = trainer.global_rank
-        (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps({"losses": model.losses}))
+        (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps({"losses": model.losses, **metrics}))
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{run['name']}.pt")
         trainer.strategy.barrier()
