@@ -13,7 +13,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from zeroshard import _C  # noqa: F401
 from zeroshard.config import ZeroConfig
 from zeroshard.cpu_adam import CPUAdam
-from zeroshard.cpu_isa import cpu_isa, supported_cpu_isas
+from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.engine import ZeroEngine
 from zeroshard.precision import ZeroPrecision
 from zeroshard.strategy import ZeroStrategy

@@ -60,7 +60,7 @@ def adam_step(
             updated weights (round to nearest even; bf16 NaN stays NaN, fp16 overflow becomes inf).
         grad_stats: also return the gradient statistics computed in the same pass.
         isa: ``"scalar"``, ``"avx2"`` or ``"avx512"`` to force a kernel build; default ``ZEROSHARD_CPU_ISA`` or
-            the best one this CPU supports (see ``zeroshard.cpu_isa``).
+            the best one this CPU supports (see ``zeroshard.cpu_isa()``).
 
     All tensors must be on the CPU, dense (strided) and contiguous, with no two of them sharing memory. No copy is
     made. Threads: ``torch.get_num_threads()``, over fixed 64Ki-element chunks, so results do not depend on the

@@ -9,7 +9,7 @@ import torch
 
 from zeroshard import ops
 from zeroshard.cpu_adam import CPUAdam
-from zeroshard.cpu_isa import cpu_isa, supported_cpu_isas
+from zeroshard.isa import cpu_isa, supported_cpu_isas
 
 ISAS = supported_cpu_isas()
 SIZES = (1, 15, 17, 1023, 1_000_003)
