@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     datamodule = ByteTextDataModule(
         args.block_size, args.batch_size, data_path=args.data, max_bytes=args.max_bytes, seed=args.seed
     )
+    try:  # load now, before any process is launched, so a bad --data fails with one clear line
+        datamodule.setup("fit")
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from e
     module = LitGPT(
         config,
         lr=args.lr,
