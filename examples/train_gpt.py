@@ -1,0 +1,209 @@
+"""Train a minGPT-style byte-level GPT with a Lightning Trainer and the zeroshard ZeRO strategy.
+
+    python examples/train_gpt.py                       # 2 CPU processes (gloo), ZeRO stage 2, a few minutes
+    python examples/train_gpt.py --strategy ddp        # the same run under plain DDP, for comparison
+    python examples/train_gpt.py --accelerator gpu --devices 8 --n_layer 24 --n_embd 2048 --n_head 16 \\
+        --precision bf16-mixed --stage 3 --offload_optimizer
+
+Lightning's launcher re-runs this script once per extra rank, so everything happens under ``main()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py, data.py, ... sit beside this file, any cwd
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from data import DEFAULT_MAX_BYTES, ByteTextDataModule  # noqa: E402
+from gpt import GPTConfig  # noqa: E402
+from lit_gpt import LitGPT  # noqa: E402
+from train_stats import TrainStats  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--n_layer", type=int, default=4)
+    m.add_argument("--n_head", type=int, default=4)
+    m.add_argument("--n_embd", type=int, default=256)
+    m.add_argument("--block_size", type=int, default=128)
+    m.add_argument("--dropout", type=float, default=0.0)
+    t = p.add_argument_group("training")
+    t.add_argument("--batch_size", type=int, default=16, help="per rank")
+    t.add_argument("--max_steps", type=int, default=100)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--weight_decay", type=float, default=0.1)
+    t.add_argument("--warmup_steps", type=int, default=10)
+    t.add_argument("--lr_schedule", choices=["cosine", "constant"], default="cosine")
+    t.add_argument("--accumulate_grad_batches", type=int, default=1)
+    t.add_argument("--gradient_clip_val", type=float, default=1.0, help="clip grad norm; 0 disables")
+    t.add_argument("--val_check_interval", type=int, default=50, help="validate every N training batches")
+    t.add_argument("--limit_val_batches", type=int, default=10)
+    t.add_argument("--seed", type=int, default=1337)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default=None, help="a text file; default: this Python's stdlib sources")
+    d.add_argument("--max_bytes", type=int, default=DEFAULT_MAX_BYTES, help="corpus cap in bytes; 0 = no cap")
+    s = p.add_argument_group("hardware and strategy")
+    s.add_argument("--accelerator", default="cpu")
+    s.add_argument("--devices", type=int, default=2)
+    s.add_argument("--precision", default="32-true", help="any Lightning precision: 32-true, bf16-mixed, 16-mixed, ...")
+    s.add_argument("--strategy", choices=["zeroshard", "ddp"], default="zeroshard")
+    s.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage (zeroshard only)")
+    s.add_argument("--offload_optimizer", action="store_true", help="optimizer state + step on the CPU (zeroshard)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 = cores / devices")
+    o = p.add_argument_group("output")
+    o.add_argument("--summary_json", default=None, help="write the run summary here (rank 0)")
+    o.add_argument("--sample_tokens", type=int, default=200, help="bytes to generate after training; 0 = none")
+    o.add_argument("--prompt", default="def ")
+    o.add_argument("--log_dir", default=None, help="CSV logs here; default: no logger, nothing written to cwd")
+    return p.parse_args(argv)
+
+
+def make_strategy(args: argparse.Namespace):
+    """The one place the training strategy is chosen."""
+    if args.strategy == "ddp":
+        if args.offload_optimizer or args.stage != 2:
+            warnings.warn("--stage/--offload_optimizer only apply to --strategy zeroshard; ignored", stacklevel=2)
+        return "ddp"
+    try:
+        from zeroshard import ZeroStrategy
+    except ImportError as e:
+        raise SystemExit(
+            f"error: --strategy zeroshard needs the zeroshard package, but importing it failed ({e}).\n"
+            "Build it from the repository root with `make build` (creates .venv, compiles zeroshard._C and puts "
+            "python/ on the venv's path), run with that venv's python, or pass --strategy ddp."
+        ) from e
+    return ZeroStrategy(stage=args.stage, offload_optimizer=args.offload_optimizer)
+
+
+def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.8, top_k: int | None = 50) -> str:
+    """Decode n bytes after prompt with module's GPT; returns prompt + continuation as text (bad UTF-8 replaced).
+
+    Needs the full parameters on this rank (true for DDP and ZeRO 1/2; stage 3 must gather around this call).
+    """
+    model = module.model
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    idx = torch.tensor([list(prompt.encode() or b"\n")], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    out = model.generate(idx, n, temperature=temperature, top_k=top_k, generator=generator)
+    model.train(was_training)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def versions() -> dict[str, str]:
+    v = {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__}
+    try:
+        import zeroshard
+
+        v["zeroshard"] = getattr(zeroshard, "__version__", "unknown")
+    except ImportError:
+        pass
+    return v
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # one rank per core share: N processes each using every core would oversubscribe the machine
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(args.threads or max(1, cores // max(1, args.devices)))
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")  # num_workers=0 is deliberate: data is in RAM
+    L.seed_everything(args.seed, verbose=False)
+
+    config = GPTConfig(
+        n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, dropout=args.dropout
+    )
+    datamodule = ByteTextDataModule(
+        args.block_size, args.batch_size, data_path=args.data, max_bytes=args.max_bytes, seed=args.seed
+    )
+    try:  # load now, before any process is launched, so a bad --data fails with one clear line
+        datamodule.setup("fit")
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from e
+    module = LitGPT(
+        config,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        lr_schedule=args.lr_schedule,
+    )
+    stats = TrainStats()
+    trainer = L.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=make_strategy(args),
+        precision=args.precision,
+        max_steps=args.max_steps,
+        val_check_interval=args.val_check_interval,
+        check_val_every_n_epoch=None,  # count val_check_interval in steps across epochs (small --data files)
+        limit_val_batches=args.limit_val_batches,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        gradient_clip_val=args.gradient_clip_val or None,
+        callbacks=[stats],
+        logger=CSVLogger(args.log_dir) if args.log_dir else False,
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule)
+    wall_s = time.perf_counter() - t0
+    if not trainer.is_global_zero:
+        return
+
+    curve = stats.loss_curve
+    print(
+        f"\nGPT {module.model.num_params() / 1e6:.2f}M params, {trainer.world_size} ranks, "
+        f"strategy {args.strategy}{f' stage {args.stage}' if args.strategy == 'zeroshard' else ''}, "
+        f"precision {args.precision}, corpus {datamodule.corpus_bytes / 2**20:.1f} MiB"
+    )
+    print(stats.table())
+    val = f"{stats.val_losses[-1][1]:.4f} (step {stats.val_losses[-1][0]})" if stats.val_losses else "n/a"
+    if curve:
+        print(
+            f"train loss (mean over ranks): step {curve[0][0]} {curve[0][1]:.4f} -> step {curve[-1][0]} "
+            f"{curve[-1][1]:.4f}; last val loss {val}; fit wall time {wall_s:.1f} s"
+        )
+    sample = generate_sample(module, args.prompt, args.sample_tokens) if args.sample_tokens > 0 else ""
+    if sample:
+        print(f"\n--- sample ({args.sample_tokens} bytes after {args.prompt!r}) ---\n{sample}\n---")
+
+    if args.summary_json:
+        summary = {
+            "args": vars(args),
+            "config": vars(config),
+            "num_params": module.model.num_params(),
+            "world_size": trainer.world_size,
+            "corpus_bytes": datamodule.corpus_bytes,
+            "first_train_loss": curve[0][1] if curve else None,
+            "last_train_loss": curve[-1][1] if curve else None,
+            "loss_curve": curve,
+            "val_losses": stats.val_losses,
+            "ranks": stats.ranks,
+            "tokens_per_s": sum(r["tokens_per_s"] for r in stats.ranks),
+            "train_s": max(r["train_s"] for r in stats.ranks),
+            "fit_wall_s": wall_s,
+            "sample": sample,
+            "versions": versions(),
+        }
+        path = Path(args.summary_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"summary written to {path}")
+
+
+if __name__ == "__main__":
+    main()
