@@ -1,8 +1,9 @@
-"""zeroshard: ZeRO stage 1/2 sharding, CPU offload and a fused CPU Adam for PyTorch Lightning.
+"""zeroshard: ZeRO stage 1/2/3 sharding, CPU offload and a fused CPU Adam for PyTorch Lightning.
 
 Public API:
     ZeroStrategy: the Lightning strategy (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
-        ``zeroshard_stage_2_offload``).
+        ``zeroshard_stage_2_offload``, ``zeroshard_stage_3``).
+    gathered_parameters: a context manager giving whole parameters at stage 3 (generation, inspection).
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning.
@@ -13,8 +14,9 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from zeroshard import _C  # noqa: F401
 from zeroshard.config import ZeroConfig
 from zeroshard.cpu_adam import CPUAdam
-from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.engine import ZeroEngine
+from zeroshard.gathered import gathered_parameters
+from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.precision import ZeroPrecision
 from zeroshard.strategy import ZeroStrategy
 
@@ -27,6 +29,7 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "cpu_isa",
+    "gathered_parameters",
     "supported_cpu_isas",
 ]
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_STAGES = (1, 2)
-PLANNED_STAGES = (3,)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -14,7 +13,8 @@ class ZeroConfig:
 
     Args:
         stage: ZeRO stage (Rajbhandari et al. 2020, "ZeRO", section 5). 1 shards the fp32 master weights and optimizer
-            state; 2 also shards gradients (reduce-scattered in buckets during backward).
+            state; 2 also shards gradients (reduce-scattered in buckets during backward); 3 also shards the
+            parameters, all-gathered per unit on use and freed after.
         offload_optimizer: keep master weights and optimizer state in host memory and step them with
             :class:`zeroshard.CPUAdam` (ZeRO-Offload, Ren et al. 2021). Adam/AdamW are converted; other torch optimizers
             run on the host copies as they are.
@@ -25,6 +25,11 @@ class ZeroConfig:
             bounds the full-size gradient buffers alive at once (stage 2 memory).
         align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes (>= 64, a
             cache line / AVX-512 vector).
+        wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
+            threshold (int), or ``callable(name, module) -> bool``. The root is always a unit.
+        prefetch: stage 3: all-gather the next unit while the current one computes.
+        check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
+            backward and raise naming the first difference.
 
     Raises:
         ValueError: naming the bad setting and the accepted values.
@@ -36,21 +41,28 @@ class ZeroConfig:
     allgather_bucket_size: int = 25_000_000
     max_inflight_buckets: int = 2
     align_bytes: int = 64
+    wrap_policy: object = None
+    prefetch: bool = True
+    check_gather_order: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES + PLANNED_STAGES:
+        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
             raise ValueError(
-                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage: use 1 (optimizer state sharded) or "
-                "2 (optimizer state and gradients sharded)."
+                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage: use 1 (optimizer state sharded), "
+                "2 (optimizer state and gradients sharded) or 3 (parameters sharded too)."
             )
-        if self.stage not in SUPPORTED_STAGES:
+        if self.stage != 3 and self.wrap_policy is not None:
             raise ValueError(
-                f"ZeroStrategy(stage={self.stage}) is not available in this version of zeroshard: use stage=1 or 2."
+                f"ZeroStrategy(wrap_policy={self.wrap_policy!r}) only applies to stage=3 (stages 1-2 keep parameters "
+                "whole); drop it or use stage=3."
             )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
+        for name in ("prefetch", "check_gather_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
         if not isinstance(self.offload_optimizer, bool):
             raise ValueError(f"ZeroStrategy(offload_optimizer={self.offload_optimizer!r}) must be True or False.")
         if not isinstance(self.align_bytes, int) or self.align_bytes < 64 or self.align_bytes & (self.align_bytes - 1):

@@ -15,6 +15,8 @@ all-gather of the flat buffers, which the module's parameters view.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -22,12 +24,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from zeroshard import _C
-from zeroshard.buckets import plan_buckets
+from zeroshard.buckets import BucketPlan, plan_buckets
 from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
 from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
+from zeroshard.sharded_units import ShardedUnits, Unit
+from zeroshard.units import plan_units
 
 
 class ZeroEngine:
@@ -68,33 +72,72 @@ class ZeroEngine:
         self.world_size = self.collectives.world_size
 
         self.original_groups = original_param_groups(optimizer)
-        plans, skipped = plan_buckets(module, self.original_groups, config.reduce_bucket_size)
+        self.sharded: ShardedUnits | None = None
+        if config.stage == 3:
+            self.flat_params, groups = self._build_units()
+        else:
+            self.flat_params, groups = self._build_buckets()
+        rewire(optimizer, self.flat_params, groups)
+        self.optimizer = to_cpu_adam(optimizer) if config.offload_optimizer else optimizer
+        self.reducer = GradReducer(
+            self.flat_params,
+            self.collectives,
+            stage=config.stage,
+            max_inflight=config.max_inflight_buckets,
+            on_launch=self.sharded.on_reduction_launched if self.sharded else None,
+            on_finished=self._on_backward_finished,
+        )
+        module._zeroshard_engine = self
+
+    def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
+        offload = self.config.offload_optimizer
+        device = plan.params[0].device
+        return FlatParam(
+            plan.names,
+            plan.params,
+            rank=self.rank,
+            world_size=self.world_size,
+            align_elems=self.config.align_elems(plan.params[0].element_size()),
+            master_device=torch.device("cpu") if offload else device,
+            pin_memory=offload and device.type == "cuda",
+            keep_full=keep_full,
+            trainable=trainable,
+        )
+
+    def _build_buckets(self) -> tuple[list[FlatParam], list[int]]:
+        """Stages 1-2: buckets of ``reduce_bucket_size`` elements, parameters kept whole."""
+        plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size)
         if skipped:
             warnings.warn(
                 f"{len(skipped)} trainable parameters are in no optimizer param group and stay unsharded with local "
                 f"gradients: {skipped[:5]}{' ...' if len(skipped) > 5 else ''}",
-                stacklevel=2,
+                stacklevel=3,
             )
-        self._sync_module_states()
-        offload = config.offload_optimizer
-        pin = offload and any(p.params[0].is_cuda for p in plans)
-        self.flat_params = [
-            FlatParam(
-                plan.names,
-                plan.params,
-                rank=self.rank,
-                world_size=self.world_size,
-                align_elems=config.align_elems(plan.params[0].element_size()),
-                master_device=torch.device("cpu") if offload else plan.params[0].device,
-                pin_memory=pin,
-            )
-            for plan in plans
-        ]
-        rewire(optimizer, self.flat_params, [plan.group_index for plan in plans])
-        self.optimizer = to_cpu_adam(optimizer) if offload else optimizer
-        self.reducer = GradReducer(
-            self.flat_params, self.collectives, stage=config.stage, max_inflight=config.max_inflight_buckets
+        self._broadcast(list(self.module.parameters()) + list(self.module.buffers()))
+        return [self._flat_param(plan, keep_full=True) for plan in plans], [plan.group_index for plan in plans]
+
+    def _build_units(self) -> tuple[list[FlatParam], list[int]]:
+        """Stage 3: one unit at a time, materialise (meta models), broadcast from rank 0, keep the shard only."""
+        plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
+        self._broadcast(list(self.module.buffers()))
+        units = []
+        for plan in plans:
+            params = [p for b in plan.buckets for p in b.params] + (plan.frozen.params if plan.frozen else [])
+            self._broadcast(params)
+            fps = [self._flat_param(b, keep_full=False) for b in plan.buckets]
+            if plan.frozen is not None:
+                fps.append(self._flat_param(plan.frozen, keep_full=False, trainable=False))
+            units.append(Unit(plan.name, plan.module, fps, is_root=plan.module is self.module))
+        self.sharded = ShardedUnits(
+            units,
+            self.collectives,
+            prefetch=self.config.prefetch,
+            check_gather_order=self.config.check_gather_order,
         )
+        # backward completes units in reverse forward order, the root (embeddings and head together) last
+        ordered = [(b, fp) for u in reversed(units) for b, fp in zip(plans[units.index(u)].buckets, u.trainable)]
+        self.sharded.bind_flat_params()
+        return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
     # -- training step ------------------------------------------------------------------------------------------------
 
@@ -107,11 +150,26 @@ class ZeroEngine:
         """False during non-final micro-batches of gradient accumulation: gradients accumulate, nothing is reduced."""
         self.reducer.require_grad_sync = value
 
-    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Before a training/validation step: stage 3 gathers the root unit (it stays until the end of backward)."""
+        if self.sharded is not None:
+            self.sharded.begin_step()
+
+    def end_eval_step(self) -> None:
+        """After a step without backward: stage 3 frees the root unit."""
+        if self.sharded is not None:
+            self.sharded.reshard(0)
+
     def finish_backward(self) -> None:
-        """Completes the gradient reduction and sets each master shard's ``.grad`` (fp32, the master's device)."""
+        """Completes the gradient reduction (idempotent; the autograd engine usually did it already)."""
         self.reducer.finish_backward()
-        if not self.reducer.grads_ready:
+
+    @torch.no_grad()
+    def _on_backward_finished(self, synced: bool) -> None:
+        """Sets each master shard's ``.grad`` (fp32, the master's device) and, at stage 3, frees every unit."""
+        if self.sharded is not None:
+            self.sharded.end_of_step(self.process_group)
+        if not synced:
             return
         for fp in self.flat_params:
             if fp.master.device == fp.grad_shard.device:
@@ -127,11 +185,11 @@ class ZeroEngine:
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """After ``optimizer.step()``: writes updated master shards into the flat buffers and all-gathers them."""
+        """After ``optimizer.step()``: writes updated master shards into the shards; stages 1-2 all-gather them."""
         self.reducer.consume()
         for fp in self.flat_params:
             fp.load_master_into_shard()
-        if self.flat_params:
+        if self.sharded is None and self.flat_params:
             self.collectives.all_gather(
                 [fp.shard for fp in self.flat_params],
                 [fp.full for fp in self.flat_params],
@@ -163,22 +221,94 @@ class ZeroEngine:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        if self.sharded is not None:
+            self.sharded.remove_hooks()
+
+    # -- full parameters ----------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole on this rank for the duration (stage 3 gathers all units; collective)."""
+        if self.sharded is None:
+            yield
+            return
+        self.sharded.unshard_all()
+        try:
+            yield
+        finally:
+            self.sharded.reshard_all()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict()`` as CPU copies on rank 0 (``{}`` elsewhere); collective.
+
+        Stage 3 gathers one unit at a time, so no rank ever holds more than one unit whole on its device.
+        """
+        refs = self.module.state_dict(keep_vars=True)  # references only: no data is read
+        out: dict[str, torch.Tensor] = {}
+        if self.sharded is not None:
+            keys_of: dict[int, list[str]] = {}
+            for k, v in refs.items():
+                keys_of.setdefault(id(v), []).append(k)
+            for i, unit in enumerate(self.sharded.units):
+                self.sharded.unshard(i)
+                if self.rank == 0:
+                    for fp in unit.flat_params:
+                        for p in fp.params:
+                            for k in keys_of.get(id(p), []):
+                                out[k] = p.detach().cpu().clone()
+                self.sharded.reshard(i)
+        if self.rank != 0:
+            return {}
+        return {k: out[k] if k in out else v.detach().cpu().clone() for k, v in refs.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Loads a full state dict; stage 3 gathers one unit at a time and keeps only this rank's shard.
+
+        Raises:
+            KeyError: (``strict``) naming missing and unexpected keys, before anything is written.
+        """
+        if self.sharded is None:
+            self.module.load_state_dict(state_dict, strict=strict)
+            self.after_params_loaded()
+            return
+        refs = self.module.state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(refs) - set(state_dict)), sorted(set(state_dict) - set(refs))
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+        key_of = {id(v): k for k, v in refs.items() if k in state_dict}
+        for i, unit in enumerate(self.sharded.units):
+            self.sharded.unshard(i)
+            for fp in unit.flat_params:
+                for p in fp.params:
+                    if id(p) in key_of:
+                        p.data.copy_(state_dict[key_of[id(p)]])
+                begin, end = fp.layout.shard_range(fp.rank)
+                fp.shard.copy_(fp.full[begin:end])
+                fp.load_shard_into_master()
+            self.sharded.reshard(i)
+        params = {id(p) for u in self.sharded.units for fp in u.flat_params for p in fp.params}
+        for k, v in refs.items():
+            if id(v) not in params and k in state_dict:
+                v.data.copy_(state_dict[k])
 
     # -- helpers ------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _sync_module_states(self) -> None:
-        """Rank 0's parameters and buffers to every rank, as DDP does at construction."""
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values to every rank, as DDP does at construction."""
         if self.world_size == 1:
             return
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
+        for t in tensors:
             dist.broadcast(t.data, src=0, group=self.process_group)
 
     def memory_summary(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by kind."""
         out = {"params": 0, "master": 0, "grad_shard": 0, "optimizer_state": 0}
         for fp in self.flat_params:
-            out["params"] += fp.full.numel() * fp.full.element_size()
+            held = fp.full if fp.keep_full else fp.shard
+            out["params"] += held.numel() * held.element_size()
             if not fp.master_aliases_shard:
                 out["master"] += fp.master.numel() * 4
             out["grad_shard"] += fp.grad_shard.numel() * 4

@@ -28,16 +28,20 @@ class FlatParam:
         align_elems: alignment of every parameter offset and of the shard size, in elements.
         master_device: where the fp32 master shard lives (the parameters' device, or ``cpu`` for offload).
         pin_memory: allocate host-side shards in page-locked memory (CUDA runs with offload).
+        keep_full: keep the full buffer allocated (stages 1-2); False frees it after construction (stage 3).
+        trainable: False for frozen parameters: no master shard, no gradient buffers.
 
     Attributes:
         layout: ``_C.FlatParamLayout``; ``layout.padded_numel == world_size * layout.shard_numel``.
         full: 1-D tensor, ``layout.padded_numel`` elements, the parameters' dtype and device; parameters view it.
-        shard: 1-D view of this rank's ``layout.shard_numel`` elements of :attr:`full`.
-        master: ``nn.Parameter``, fp32, ``layout.shard_numel`` elements, on ``master_device``. Aliases :attr:`shard`
-        when
-            the parameters are fp32 and on ``master_device`` (no extra memory, as in FSDP2's sharded parameter).
+            With ``keep_full=False`` (stage 3) its memory exists only between :meth:`alloc_full` and :meth:`free_full`.
+        shard: this rank's ``layout.shard_numel`` elements: a view of :attr:`full` (stages 1-2) or a tensor of its own
+            (stage 3), the source of every all-gather.
+        master: ``nn.Parameter`` (``None`` if not trainable), fp32, ``layout.shard_numel`` elements, on
+            ``master_device``. Aliases :attr:`shard` when the parameters are fp32 and on ``master_device`` (no extra
+            memory, as in FSDP2's sharded parameter).
         grad_shard: fp32 gradient shard (``layout.shard_numel``), filled by the reducer after each synchronised
-        backward.
+            backward.
         full_grad: full-size gradient accumulation buffer (allocated on first use, freed after its reduce-scatter at
             stage 2, kept at stage 1).
     """
@@ -52,6 +56,8 @@ class FlatParam:
         align_elems: int,
         master_device: torch.device,
         pin_memory: bool = False,
+        keep_full: bool = True,
+        trainable: bool = True,
     ) -> None:
         if not params:
             raise ValueError("FlatParam needs at least one parameter")
@@ -66,27 +72,63 @@ class FlatParam:
         self.params = params
         self.rank = rank
         self.world_size = world_size
+        self.keep_full = keep_full
+        self.trainable = trainable
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
+        begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
             self.full = self.layout.flatten([p.detach() for p in params], self.dtype, self.device)
             for p, view in zip(params, self.layout.views(self.full)):
                 p.data = view
-        begin, end = self.layout.shard_range(rank)
-        self.shard = self.full[begin:end]
+            # Stage 3 keeps only the shard between uses: a tensor of its own, while `full` keeps its storage object
+            # (the parameters' views point into it) but gives its memory back until the next all-gather.
+            self.shard = self.full[begin:end] if keep_full else self.full[begin:end].clone()
+        self.is_gathered = True
+        if not keep_full:
+            self.free_full()
 
-        self.master_device = torch.device(master_device)
-        aliases = self.dtype == torch.float32 and self.device == self.master_device
-        if aliases:
-            master = self.shard
-        else:
-            master = torch.empty(end - begin, dtype=torch.float32, device=self.master_device, pin_memory=pin_memory)
-            master.copy_(self.shard)
-        self.master_aliases_shard = aliases
-        self.master = nn.Parameter(master, requires_grad=True)
-        self.grad_shard = torch.zeros(end - begin, dtype=torch.float32, device=self.device)
+        self.master: nn.Parameter | None = None
+        self.master_aliases_shard = False
+        if trainable:
+            self.master_device = torch.device(master_device)
+            aliases = self.dtype == torch.float32 and self.device == self.master_device
+            if aliases:
+                master = self.shard
+            else:
+                master = torch.empty(end - begin, dtype=torch.float32, device=self.master_device, pin_memory=pin_memory)
+                master.copy_(self.shard)
+            self.master_aliases_shard = aliases
+            self.master = nn.Parameter(master, requires_grad=True)
+            self.grad_shard = torch.zeros(end - begin, dtype=torch.float32, device=self.device)
         self.full_grad: torch.Tensor | None = None
+
+    # -- stage 3: full buffer on use only ------------------------------------------------------------------------------
+
+    @property
+    def full_nbytes(self) -> int:
+        return self.layout.padded_numel * self.full.element_size()
+
+    def free_full(self) -> None:
+        """Gives the full buffer's memory back.
+
+        The parameters keep their shapes but their ``.data`` becomes a NaN placeholder of that shape that takes no
+        memory (an expanded 1-element tensor): a read outside a gather gives NaNs and a write fails, instead of
+        reading freed memory. ``.data`` swaps do not bump the version counter, so tensors autograd saved in forward
+        stay valid once :meth:`alloc_full` points the parameters back into the buffer.
+        """
+        self.full.untyped_storage().resize_(0)
+        for p in self.params:
+            p.data = _placeholder(p.dtype, p.device).expand(p.shape)
+        self.is_gathered = False
+
+    def alloc_full(self) -> None:
+        """Re-allocates the full buffer's memory (uninitialised) ahead of an all-gather into it."""
+        if self.full.untyped_storage().size() == 0:
+            self.full.untyped_storage().resize_(self.full_nbytes)
+            for p, view in zip(self.params, self.layout.views(self.full)):
+                p.data = view
 
     @property
     def numel(self) -> int:
@@ -106,14 +148,14 @@ class FlatParam:
 
     @torch.no_grad()
     def load_master_into_shard(self) -> None:
-        """Writes the updated master shard into this rank's slice of :attr:`full` (cast to the parameter dtype)."""
-        if not self.master_aliases_shard:
+        """Writes the updated master shard into :attr:`shard` (cast to the parameter dtype)."""
+        if self.master is not None and not self.master_aliases_shard:
             self.shard.copy_(self.master.detach(), non_blocking=True)
 
     @torch.no_grad()
     def load_shard_into_master(self) -> None:
-        """Refreshes the master shard from :attr:`full` (after the parameters were loaded from a checkpoint)."""
-        if not self.master_aliases_shard:
+        """Refreshes the master shard from :attr:`shard` (after the parameters were loaded from a checkpoint)."""
+        if self.master is not None and not self.master_aliases_shard:
             self.master.detach().copy_(self.shard)
 
     def __repr__(self) -> str:
@@ -121,3 +163,14 @@ class FlatParam:
             f"FlatParam({len(self.params)} params, {self.numel} elements, padded {self.layout.padded_numel}, "
             f"shard {self.layout.shard_numel}, {self.dtype}, {self.device})"
         )
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in _PLACEHOLDERS:
+        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+        _PLACEHOLDERS[key] = torch.full((1,), fill, dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]

@@ -19,6 +19,7 @@ reduction runs once, in the last micro-batch's backward, like DDP's ``no_sync``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 from torch.autograd import Variable
@@ -33,17 +34,29 @@ class GradReducer:
     Args:
         flat_params: buckets in expected backward order (the launch order on every rank).
         collectives: ``_C.BucketedCollectives`` on the data-parallel process group.
-        stage: 1 (all-reduce, full gradients kept) or 2 (reduce-scatter, full buffers freed after reduction).
+        stage: 1 (all-reduce, full gradients kept) or 2-3 (reduce-scatter, full buffers freed after reduction).
         max_inflight: reductions in flight before the oldest is waited on.
+        on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
+        on_finished: called once per backward when it is complete, with True if gradients were reduced (False for
+            an accumulation micro-batch).
     """
 
     def __init__(
-        self, flat_params: list[FlatParam], collectives: _C.BucketedCollectives, *, stage: int, max_inflight: int
+        self,
+        flat_params: list[FlatParam],
+        collectives: _C.BucketedCollectives,
+        *,
+        stage: int,
+        max_inflight: int,
+        on_launch: Callable[[FlatParam], None] | None = None,
+        on_finished: Callable[[bool], None] | None = None,
     ) -> None:
         self.flat_params = flat_params
         self.collectives = collectives
         self.stage = stage
         self.max_inflight = max_inflight
+        self.on_launch = on_launch
+        self.on_finished = on_finished
         self.world_size = collectives.world_size
         self.require_grad_sync = True
         self._ready = [0] * len(flat_params)
@@ -108,6 +121,8 @@ class GradReducer:
             handle = self.collectives.reduce_scatter([fp.full_grad], [fp.grad_shard], fp.full_grad.numel(), scale, True)
         self._inflight.append((fi, handle))
         self._next_launch = fi + 1
+        if self.on_launch is not None:
+            self.on_launch(fp)
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 
@@ -130,9 +145,11 @@ class GradReducer:
         does nothing. If no hook fired at all (no parameter used on this rank), the second call still launches every
         bucket, with zero gradients, so this rank joins the collectives the other ranks issue.
         """
-        self._backward_active = False
+        active, self._backward_active = self._backward_active, False
         if not self.require_grad_sync:
             self._reported = [set() for _ in self.flat_params]
+            if active and self.on_finished is not None:
+                self.on_finished(False)
             return
         if self._grads_ready:
             return
@@ -143,6 +160,8 @@ class GradReducer:
         self._next_launch = 0
         self._reported = [set() for _ in self.flat_params]
         self._grads_ready = True
+        if self.on_finished is not None:
+            self.on_finished(True)
 
     @torch.no_grad()
     def consume(self) -> None:

@@ -28,7 +28,7 @@ from zeroshard.precision import ZeroPrecision
 
 
 class ZeroStrategy(DDPStrategy):
-    """ZeRO stage 1/2 data parallelism with optional CPU offload of the optimizer, for ``lightning.Trainer``.
+    """ZeRO stage 1/2/3 data parallelism with optional CPU offload of the optimizer, for ``lightning.Trainer``.
 
     Example::
 
@@ -36,13 +36,18 @@ class ZeroStrategy(DDPStrategy):
         trainer = Trainer(accelerator="cuda", devices=8, strategy="zeroshard_stage_2_offload")
 
     Args:
-        stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients
-            (Rajbhandari et al. 2020, "ZeRO", section 5).
+        stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients; 3 also shards
+            the parameters, all-gathered per unit on use (Rajbhandari et al. 2020, "ZeRO", section 5).
         offload_optimizer: master weights and optimizer state in host memory, stepped by the fused
             :class:`~zeroshard.CPUAdam` (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021).
         reduce_bucket_size: elements per gradient bucket (one collective each).
         allgather_bucket_size: elements per all-gather of updated parameters.
         max_inflight_buckets: gradient reductions in flight during backward.
+        wrap_policy: stage 3 units: a module class (e.g. your transformer block), a tuple of classes, a parameter
+            count threshold, or ``callable(name, module) -> bool``. Parameters outside every unit form the root unit.
+        prefetch: stage 3: all-gather the next unit while the current one computes.
+        check_gather_order: stage 3 debug setting: after each backward, compare the units each rank gathered and
+            raise naming the first one that differs (ranks that took different code paths).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
@@ -63,6 +68,9 @@ class ZeroStrategy(DDPStrategy):
         allgather_bucket_size: int = 25_000_000,
         max_inflight_buckets: int = 2,
         *,
+        wrap_policy=None,
+        prefetch: bool = True,
+        check_gather_order: bool = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -78,6 +86,9 @@ class ZeroStrategy(DDPStrategy):
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
             max_inflight_buckets=max_inflight_buckets,
+            wrap_policy=wrap_policy,
+            prefetch=prefetch,
+            check_gather_order=check_gather_order,
         )
         super().__init__(
             accelerator=accelerator,
@@ -127,13 +138,18 @@ class ZeroStrategy(DDPStrategy):
                     "Put all parameters into one optimizer with several param groups."
                 )
             self._build_engine(self._unwrap(self.optimizers[0]))
-        else:
+        elif self._engine is None or self._engine.sharded is None:
             self._engine = None
             self._sync_module_states()
+        # else: a stage-3 engine from an earlier fit keeps serving validate/test/predict with sharded parameters
         self.setup_precision_plugin()
 
     def _build_engine(self, optimizer: Optimizer) -> None:
         assert self.lightning_module is not None
+        previous = getattr(self.lightning_module, "_zeroshard_engine", None)
+        if previous is not None and previous.sharded is not None:
+            previous.sharded.unshard_all()  # a new fit re-shards from whole parameters
+            previous.remove_hooks()
         engine = ZeroEngine(self.lightning_module, optimizer, self.zero_config)
         if engine.optimizer is not optimizer:
             for config in self.lr_scheduler_configs:
@@ -150,9 +166,9 @@ class ZeroStrategy(DDPStrategy):
             torch.distributed.broadcast(t.data, src=0)
 
     def teardown(self) -> None:
-        # The engine stays (hooks removed) so that `trainer.save_checkpoint` after `fit` still finds the sharded
-        # optimizer state; the next `fit` builds a new one.
-        if self._engine is not None:
+        # The engine stays so that `trainer.save_checkpoint` after `fit` still finds the sharded optimizer state. At
+        # stage 3 its gather hooks stay too: the parameters exist only as shards, and validate/test use them.
+        if self._engine is not None and self._engine.sharded is None:
             self._engine.remove_hooks()
         super().teardown()
 
@@ -175,6 +191,34 @@ class ZeroStrategy(DDPStrategy):
         finally:
             self._engine.require_grad_sync = True
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Stage 3 loads a checkpoint into the shards, so the engine must exist first."""
+        return self.zero_config.stage == 3
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        if self._engine is not None:
+            self._engine.begin_step()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        return self._eval_step(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        return self._eval_step(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        return self._eval_step(super().predict_step, *args, **kwargs)
+
+    def _eval_step(self, step, *args: Any, **kwargs: Any):
+        if self._engine is None:
+            return step(*args, **kwargs)
+        self._engine.begin_step()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self._engine.end_eval_step()
+
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         pass
 
@@ -191,8 +235,10 @@ class ZeroStrategy(DDPStrategy):
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full parameters and buffers (stages 1-2 keep parameters whole), as CPU copies on rank 0; ``{}`` elsewhere."""
+        """Full parameters and buffers as CPU copies on rank 0 (``{}`` elsewhere); stage 3 gathers unit by unit."""
         assert self.lightning_module is not None
+        if self._engine is not None:
+            return self._engine.full_state_dict()
         if not self.is_global_zero:
             return {}
         return {k: v.detach().cpu().clone() for k, v in self.lightning_module.state_dict().items()}
@@ -206,9 +252,10 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if self._engine is not None:
-            self._engine.after_params_loaded()
+            self._engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        else:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._engine is None:
@@ -227,7 +274,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Registers ``zeroshard_stage_1``, ``zeroshard_stage_2`` and ``zeroshard_stage_2_offload``."""
+        """Registers the names ``zeroshard_stage_{1,2,3}`` and ``zeroshard_stage_2_offload``."""
         entries = (
             ("zeroshard_stage_1", "ZeRO stage 1: optimizer state sharded", {"stage": 1}),
             ("zeroshard_stage_2", "ZeRO stage 2: optimizer state and gradients sharded", {"stage": 2}),
@@ -236,6 +283,7 @@ class ZeroStrategy(DDPStrategy):
                 "ZeRO stage 2 with master weights and optimizer state offloaded to the CPU (fused CPUAdam)",
                 {"stage": 2, "offload_optimizer": True},
             ),
+            ("zeroshard_stage_3", "ZeRO stage 3: parameters, gradients and optimizer state sharded", {"stage": 3}),
         )
         for name, description, params in entries:
             strategy_registry.register(name, cls, description=description, override=True, **params)

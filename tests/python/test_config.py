@@ -12,11 +12,12 @@ from zeroshard import ZeroStrategy
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"stage": 4}, r"stage=4.*use 1"),
+        ({"stage": 4}, r"stage=4.*use 1.*3 \(parameters sharded too\)"),
         ({"stage": 0}, r"stage=0"),
         ({"stage": "2"}, r"stage='2'"),
         ({"stage": True}, r"stage=True"),
-        ({"stage": 3}, r"stage=3.*not available"),
+        ({"stage": 2, "wrap_policy": object}, r"wrap_policy=.*only applies to stage=3"),
+        ({"stage": 3, "prefetch": "no"}, r"prefetch='no'"),
         ({"reduce_bucket_size": 0}, r"reduce_bucket_size=0.*positive integer"),
         ({"allgather_bucket_size": -5}, r"allgather_bucket_size=-5"),
         ({"allgather_bucket_size": 1.5}, r"allgather_bucket_size=1.5"),
@@ -36,7 +37,12 @@ def test_unsupported_precision_fails_when_trainer_is_built():
 
 @pytest.mark.parametrize(
     "name, stage, offload",
-    [("zeroshard_stage_1", 1, False), ("zeroshard_stage_2", 2, False), ("zeroshard_stage_2_offload", 2, True)],
+    [
+        ("zeroshard_stage_1", 1, False),
+        ("zeroshard_stage_2", 2, False),
+        ("zeroshard_stage_2_offload", 2, True),
+        ("zeroshard_stage_3", 3, False),
+    ],
 )
 def test_registered_names(name, stage, offload):
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)

@@ -25,9 +25,12 @@ class TinyLM(L.LightningModule):
     """Embedding -> 2 residual MLP blocks -> LayerNorm -> head tied to the embedding.
 
     ``frozen_scale`` is a frozen parameter (no gradient, no optimizer state). ``optimizer`` picks the torch optimizer.
+    ``unused=True`` adds a layer used only in every other training step.
     """
 
-    def __init__(self, optimizer: str = "adamw", lr: float = 1e-2, record: list | None = None) -> None:
+    def __init__(
+        self, optimizer: str = "adamw", lr: float = 1e-2, record: list | None = None, unused: bool = False
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.Sequential(Block(), Block())
@@ -35,12 +38,19 @@ class TinyLM(L.LightningModule):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         self.frozen_scale = nn.Parameter(torch.full((DIM,), 0.5), requires_grad=False)
+        # with unused=True, a layer that only every other training step uses (ranks must still agree on collectives)
+        self.sometimes = nn.Linear(DIM, DIM) if unused else None
+        self._calls = 0
         self.optimizer_name = optimizer
         self.lr = lr
         self.losses: list[float] = [] if record is None else record
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) * (1 + self.frozen_scale)
+        if self.sometimes is not None and self.training:
+            self._calls += 1
+            if self._calls % 2 == 0:
+                x = x + self.sometimes(x)
         return self.head(self.norm(self.blocks(x)))
 
     def training_step(self, batch, batch_idx):
@@ -68,6 +78,8 @@ class TinyLM(L.LightningModule):
             return torch.optim.Adam(groups, lr=self.lr)
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        if self.optimizer_name == "plain_sgd":  # no state, no decay: a zero gradient is exactly a skipped update
+            return torch.optim.SGD([{**g, "weight_decay": 0.0} for g in groups], lr=10 * self.lr)
         raise ValueError(self.optimizer_name)
 
 

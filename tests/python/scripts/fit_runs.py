@@ -6,7 +6,8 @@ Usage (one process per rank, started by ``launch.run_ranks``):
 Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional ``stage``, ``offload``, ``optimizer``,
 ``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
-``validate`` (validation every 5 steps, then ``trainer.test``). Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
+``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
+``check_gather_order``. Stage 3 runs wrap each ``Block`` as a unit. Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
 ``{name}.pt`` (final parameters).
 """
 
@@ -19,16 +20,19 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from tiny_lm import TinyLM, token_dataset
+from tiny_lm import Block, TinyLM, token_dataset
 
 import zeroshard
 
 
 def make_strategy(run: dict):
     if run["strategy"] == "ddp":
-        return DDPStrategy(process_group_backend="gloo")
+        return DDPStrategy(process_group_backend="gloo", find_unused_parameters=run.get("unused", False))
+    stage = run.get("stage", 2)
     return zeroshard.ZeroStrategy(
-        stage=run.get("stage", 2),
+        stage=stage,
+        wrap_policy=Block if stage == 3 else None,
+        check_gather_order=run.get("check_gather_order", False),
         offload_optimizer=run.get("offload", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
@@ -41,7 +45,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for run in runs:
         L.seed_everything(run.get("seed", 7), verbose=False)
-        model = TinyLM(optimizer=run.get("optimizer", "adamw"))
+        model = TinyLM(optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False))
         loader = torch.utils.data.DataLoader(token_dataset(), batch_size=4)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -70,8 +74,9 @@ def main() -> None:
             trainer.save_checkpoint(run["save_ckpt"])
         rank = trainer.global_rank
         (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps({"losses": model.losses, **metrics}))
-        if rank == 0:
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{run['name']}.pt")
+        with zeroshard.gathered_parameters(model):
+            if rank == 0:
+                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / f"{run['name']}.pt")
         trainer.strategy.barrier()
 
 

@@ -1,0 +1,232 @@
+"""ZeRO stage 3 at run time: each unit's parameters exist whole only while the unit runs.
+
+Forward: a pre-hook all-gathers the unit (or waits for its prefetch) and starts the all-gather of the next unit in the
+recorded forward order; a post-hook frees the full buffer and wraps the unit's outputs in an autograd function whose
+backward gathers the unit again (and prefetches the unit that runs backward next) before the unit's own backward.
+Backward: once the gradient reduction of every trainable flat parameter of a unit has been launched, the unit is freed.
+The root unit (parameters no other unit claims: embeddings, final norm, head) stays gathered from the start of a step to
+the end of its backward, as FSDP2 does with ``reshard_after_forward=None`` on the root.
+
+Every gather is one bucketed all-gather over the unit's flat parameters. A wait that fails (a collective timeout, a
+dead rank) is re-raised naming the unit, and ``check_gather_order=True`` compares each step's gather order across ranks
+so that ranks taking different paths end with an error naming the first unit where they differ, never a silent hang
+(the failure mode of pytorch issue 158719).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zeroshard import _C
+from zeroshard.flat_param import FlatParam
+
+
+class Unit:
+    """A unit's flat parameters and gather state."""
+
+    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool) -> None:
+        self.name = name or "<root>"
+        self.module = module
+        self.flat_params = flat_params
+        self.is_root = is_root
+        self.pending = None  # CollectiveHandle of an all-gather in flight
+        self.launched = 0  # trainable flat parameters whose reduction was launched this backward
+
+    @property
+    def trainable(self) -> list[FlatParam]:
+        return [fp for fp in self.flat_params if fp.trainable]
+
+    @property
+    def is_gathered(self) -> bool:
+        return all(fp.is_gathered for fp in self.flat_params)
+
+
+class _RegatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward gathers the unit before the unit's own backward runs."""
+
+    @staticmethod
+    def forward(ctx, runtime: ShardedUnits, index: int, *tensors: torch.Tensor):
+        ctx.runtime, ctx.index = runtime, index
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime._pre_backward(ctx.index)
+        return (None, None, *grads)
+
+
+class ShardedUnits:
+    """Gather-on-use hooks for a list of units (the first one is the root).
+
+    Args:
+        units: units in registration order, root first.
+        collectives: ``_C.BucketedCollectives`` on the data-parallel group.
+        prefetch: all-gather the next unit (forward and backward order, recorded on the first step) while the current
+            one computes.
+        check_gather_order: debug setting; compare the gather order across ranks after every backward.
+    """
+
+    def __init__(
+        self, units: list[Unit], collectives: _C.BucketedCollectives, *, prefetch: bool, check_gather_order: bool
+    ) -> None:
+        self.units = units
+        self.collectives = collectives
+        self.prefetch = prefetch
+        self.check_gather_order = check_gather_order
+        self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
+        self._this_step: list[int] = []
+        self._recording = True
+        self._handles = []
+        for i, unit in enumerate(units):
+            if unit.is_root:
+                continue
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(i)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(i)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- gather and free -----------------------------------------------------------------------------------------------
+
+    def unshard(self, index: int, *, wait: bool = True) -> None:
+        """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
+        unit = self.units[index]
+        if unit.pending is None and not unit.is_gathered:
+            for fp in unit.flat_params:
+                fp.alloc_full()
+            unit.pending = self.collectives.all_gather(
+                [fp.shard for fp in unit.flat_params],
+                [fp.full for fp in unit.flat_params],
+                sum(fp.layout.padded_numel for fp in unit.flat_params),
+            )
+        if wait and unit.pending is not None:
+            self._wait(unit)
+
+    def _wait(self, unit: Unit) -> None:
+        handle, unit.pending = unit.pending, None
+        try:
+            handle.wait()
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"zeroshard: the all-gather of unit '{unit.name}' failed on rank {self.collectives.rank}: {e}. "
+                "If a rank died or took a different code path, run with ZeroStrategy(check_gather_order=True) to "
+                "name the first unit where ranks differ."
+            ) from e
+        for fp in unit.flat_params:
+            fp.is_gathered = True
+
+    def reshard(self, index: int) -> None:
+        unit = self.units[index]
+        if unit.pending is not None:
+            self._wait(unit)
+        for fp in unit.flat_params:
+            if fp.is_gathered:
+                fp.free_full()
+
+    def unshard_all(self) -> None:
+        for i in range(len(self.units)):
+            self.unshard(i)
+
+    def reshard_all(self) -> None:
+        for i in range(len(self.units)):
+            self.reshard(i)
+
+    # -- hooks ---------------------------------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, index: int):
+        def hook(module, args):
+            self._record(index)
+            self.unshard(index)
+            if self.prefetch and not self._recording:
+                nxt = self._neighbour(index, +1)
+                if nxt is not None:
+                    self.unshard(nxt, wait=False)
+
+        return hook
+
+    def _make_post_forward(self, index: int):
+        def hook(module, args, output):
+            if torch._C._current_graph_task_id() != -1:
+                return output  # recomputation inside backward (activation checkpointing): keep the unit gathered
+            self.reshard(index)
+            if not torch.is_grad_enabled():
+                return output
+            flat, spec = tree_flatten(output)
+            idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+            if not idx:
+                return output
+            wrapped = _RegatherBeforeBackward.apply(self, index, *[flat[i] for i in idx])
+            for i, t in zip(idx, wrapped):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
+
+        return hook
+
+    def _pre_backward(self, index: int) -> None:
+        self.unshard(index)
+        if self.prefetch:
+            nxt = self._neighbour(index, -1)
+            if nxt is not None:
+                self.unshard(nxt, wait=False)
+
+    def _record(self, index: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._this_step.append(index)
+        if self._recording:
+            if index in self.forward_order:  # a second forward began: the first one's order is complete
+                self._recording = False
+            else:
+                self.forward_order.append(index)
+
+    def begin_step(self) -> None:
+        """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
+        self._this_step = []
+        self.unshard(0)
+
+    def _neighbour(self, index: int, step: int) -> int | None:
+        order = self.forward_order
+        try:
+            pos = order.index(index) + step
+        except ValueError:
+            return None
+        return order[pos] if 0 <= pos < len(order) else None
+
+    def on_reduction_launched(self, fp: FlatParam) -> None:
+        """GradReducer callback: frees a unit once every trainable flat parameter of it has been reduced."""
+        unit = self._unit_of[id(fp)]
+        unit.launched += 1
+        if not unit.is_root and unit.launched == len(unit.trainable):
+            self.reshard(self.units.index(unit))
+
+    def bind_flat_params(self) -> None:
+        self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
+
+    def end_of_step(self, group: dist.ProcessGroup) -> None:
+        """After backward: frees every unit, checks the gather order (debug) and stops recording it."""
+        self.reshard_all()
+        for unit in self.units:
+            unit.launched = 0
+        if self.check_gather_order and dist.is_initialized():
+            orders: list[list[int] | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(orders, self._this_step, group=group)
+            if any(o != orders[0] for o in orders):
+                raise RuntimeError(self._describe_divergence(orders))
+        self._this_step = []
+        if self.forward_order:
+            self._recording = False
+
+    def _describe_divergence(self, orders: list[list[int]]) -> str:
+        pos = next(i for i in range(max(map(len, orders)) + 1) if len({tuple(o[: i + 1]) for o in orders}) > 1)
+        got = {r: (self.units[o[pos]].name if pos < len(o) else "<no more units>") for r, o in enumerate(orders)}
+        return (
+            f"zeroshard: ranks gathered different units at position {pos} of this step's forward: "
+            + ", ".join(f"rank {r} -> '{n}'" for r, n in got.items())
+            + ". Every rank must run the same units in the same order (ZeRO-3 all-gathers are collective); make the "
+            "control flow in forward depend only on data that is the same on every rank."
+        )
