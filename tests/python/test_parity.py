@@ -53,7 +53,7 @@ def _assert_same_run(tmp_path: Path, ref: str, other: str, n_losses: int) -> Non
     ],
 )
 def test_stages_match_ddp(tmp_path, scenario):
-    """Every stage on the tiny LM (tied embedding/head, a frozen parameter, two param groups; stage 3 units = Blocks)."""
+    """Every stage on the tiny LM: tied embedding/head, a frozen parameter, two param groups; stage 3 units = Blocks."""
     runs = [{"name": "ddp", "strategy": "ddp", **scenario}]
     runs += [{"name": f"stage{s}", "strategy": "zeroshard", "stage": s, **scenario} for s in (1, 2, 3)]
     _run(tmp_path, runs)

@@ -7,8 +7,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
-``check_gather_order``. Stage 3 runs wrap each ``Block`` as a unit. Writes ``{name}_rank{r}.json`` (losses) and, on rank 0,
-``{name}.pt`` (final parameters).
+``check_gather_order``. Stage 3 runs wrap each ``Block`` as a unit.
+Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
 from __future__ import annotations
