@@ -137,6 +137,7 @@ class ZeroEngine:
         # backward completes units in reverse forward order, the root (embeddings and head together) last
         ordered = [(b, fp) for u in reversed(units) for b, fp in zip(plans[units.index(u)].buckets, u.trainable)]
         self.sharded.bind_flat_params()
+        self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
     # -- training step ------------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class ZeroEngine:
     def _on_backward_finished(self, synced: bool) -> None:
         """Sets each master shard's ``.grad`` (fp32, the master's device) and, at stage 3, frees every unit."""
         if self.sharded is not None:
-            self.sharded.end_of_step(self.process_group)
+            self.sharded.end_of_step()
         if not synced:
             return
         for fp in self.flat_params:

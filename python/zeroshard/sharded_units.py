@@ -8,9 +8,9 @@ The root unit (parameters no other unit claims: embeddings, final norm, head) st
 the end of its backward, as FSDP2 does with ``reshard_after_forward=None`` on the root.
 
 Every gather is one bucketed all-gather over the unit's flat parameters. A wait that fails (a collective timeout, a
-dead rank) is re-raised naming the unit, and ``check_gather_order=True`` compares each step's gather order across ranks
-so that ranks taking different paths end with an error naming the first unit where they differ, never a silent hang
-(the failure mode of pytorch issue 158719).
+dead rank) is re-raised naming the unit, and ``check_gather_order=True`` checks before every all-gather that all ranks
+gather the same unit, so ranks taking different paths end with an error naming both units, never a silent hang or a
+bare collective mismatch (the failure mode of pytorch issue 158719).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class ShardedUnits:
         collectives: ``_C.BucketedCollectives`` on the data-parallel group.
         prefetch: all-gather the next unit (forward and backward order, recorded on the first step) while the current
             one computes.
-        check_gather_order: debug setting; compare the gather order across ranks after every backward.
+        check_gather_order: debug setting; before every all-gather, check that all ranks gather the same unit.
     """
 
     def __init__(
@@ -77,7 +77,6 @@ class ShardedUnits:
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order
         self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
-        self._this_step: list[int] = []
         self._recording = True
         self._handles = []
         for i, unit in enumerate(units):
@@ -97,6 +96,8 @@ class ShardedUnits:
         """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
         unit = self.units[index]
         if unit.pending is None and not unit.is_gathered:
+            if self.check_gather_order:
+                self._check_same_unit(index)
             for fp in unit.flat_params:
                 fp.alloc_full()
             unit.pending = self.collectives.all_gather(
@@ -177,7 +178,6 @@ class ShardedUnits:
     def _record(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
             return
-        self._this_step.append(index)
         if self._recording:
             if index in self.forward_order:  # a second forward began: the first one's order is complete
                 self._recording = False
@@ -186,7 +186,6 @@ class ShardedUnits:
 
     def begin_step(self) -> None:
         """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
-        self._this_step = []
         self.unshard(0)
 
     def _neighbour(self, index: int, step: int) -> int | None:
@@ -207,26 +206,37 @@ class ShardedUnits:
     def bind_flat_params(self) -> None:
         self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
 
-    def end_of_step(self, group: dist.ProcessGroup) -> None:
-        """After backward: frees every unit, checks the gather order (debug) and stops recording it."""
+    def end_of_step(self) -> None:
+        """After backward: frees every unit and stops recording the forward order."""
         self.reshard_all()
         for unit in self.units:
             unit.launched = 0
-        if self.check_gather_order and dist.is_initialized():
-            orders: list[list[int] | None] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(orders, self._this_step, group=group)
-            if any(o != orders[0] for o in orders):
-                raise RuntimeError(self._describe_divergence(orders))
-        self._this_step = []
         if self.forward_order:
             self._recording = False
 
-    def _describe_divergence(self, orders: list[list[int]]) -> str:
-        pos = next(i for i in range(max(map(len, orders)) + 1) if len({tuple(o[: i + 1]) for o in orders}) > 1)
-        got = {r: (self.units[o[pos]].name if pos < len(o) else "<no more units>") for r, o in enumerate(orders)}
-        return (
-            f"zeroshard: ranks gathered different units at position {pos} of this step's forward: "
-            + ", ".join(f"rank {r} -> '{n}'" for r, n in got.items())
-            + ". Every rank must run the same units in the same order (ZeRO-3 all-gathers are collective); make the "
-            "control flow in forward depend only on data that is the same on every rank."
-        )
+    def _check_same_unit(self, index: int) -> None:
+        """Debug: before every all-gather, all ranks exchange which unit they are about to gather.
+
+        A rank on another code path reaches a different unit (or a different phase) at the same collective, so the
+        exchange itself is matched and the error names both units instead of gloo/NCCL failing on mismatched sizes.
+        """
+        self._gather_count += 1
+        phase = 1 if torch._C._current_graph_task_id() != -1 else 0
+        mine = torch.tensor([index, phase], dtype=torch.int64, device=self._check_device)
+        everyone = torch.empty(self.collectives.world_size * 2, dtype=torch.int64, device=self._check_device)
+        dist.all_gather_into_tensor(everyone, mine, group=self._group)
+        pairs = everyone.view(-1, 2).tolist()
+        if any(p != pairs[0] for p in pairs):
+            where = ", ".join(
+                f"rank {r} -> '{self.units[u].name}' ({'backward' if ph else 'forward'})"
+                for r, (u, ph) in enumerate(pairs)
+            )
+            raise RuntimeError(
+                f"zeroshard: ranks diverged at all-gather #{self._gather_count}: {where}. Every rank must run the same "
+                "units in the same order (ZeRO-3 all-gathers are collective); make the control flow in forward "
+                "depend only on what is the same on every rank."
+            )
+
+    def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The process group and device for the debug order check."""
+        self._group, self._check_device, self._gather_count = group, device, 0
