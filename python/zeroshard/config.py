@@ -28,6 +28,8 @@ class ZeroConfig:
         wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
             threshold (int), or ``callable(name, module) -> bool``. The root is always a unit.
         prefetch: stage 3: all-gather the next unit while the current one computes.
+        param_init_fn: ``callable(module)`` that initialises a module's own tensors when a model built on the meta
+            device is materialised; default: each module's ``reset_parameters()``.
         check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
             backward and raise naming the first difference.
 
@@ -44,6 +46,7 @@ class ZeroConfig:
     wrap_policy: object = None
     prefetch: bool = True
     check_gather_order: bool = False
+    param_init_fn: object = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
@@ -60,6 +63,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(f"ZeroStrategy(param_init_fn={self.param_init_fn!r}) must be callable(module) or None.")
         for name in ("prefetch", "check_gather_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")

@@ -28,6 +28,7 @@ from zeroshard.buckets import BucketPlan, plan_buckets
 from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
 from zeroshard.grad_reducer import GradReducer
+from zeroshard.meta_init import check_no_meta, has_meta, materialize_, materialize_module_, replacement
 from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
 from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
 from zeroshard.sharded_units import ShardedUnits, Unit
@@ -105,7 +106,10 @@ class ZeroEngine:
         )
 
     def _build_buckets(self) -> tuple[list[FlatParam], list[int]]:
-        """Stages 1-2: buckets of ``reduce_bucket_size`` elements, parameters kept whole."""
+        """Stages 1-2: buckets of ``reduce_bucket_size`` elements, parameters kept whole (meta models materialised)."""
+        if has_meta(self.module):
+            materialize_module_(self.module, self._device(), param_init_fn=self.config.param_init_fn)
+            self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
         plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size)
         if skipped:
             warnings.warn(
@@ -117,17 +121,44 @@ class ZeroEngine:
         return [self._flat_param(plan, keep_full=True) for plan in plans], [plan.group_index for plan in plans]
 
     def _build_units(self) -> tuple[list[FlatParam], list[int]]:
-        """Stage 3: one unit at a time, materialise (meta models), broadcast from rank 0, keep the shard only."""
+        """Stage 3: per unit, materialise (meta models), broadcast from rank 0, keep this rank's shard only.
+
+        Meta modules are materialised in ``module.modules()`` order, so values equal an eager build with the same seed
+        (see :mod:`zeroshard.meta_init`); each unit is flattened and sharded as soon as its last module is done, so
+        no more than the root unit and one other unit are whole at a time.
+        """
         plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
-        self._broadcast(list(self.module.buffers()))
-        units = []
-        for plan in plans:
+        device = self._device()
+        built: dict[int, Unit] = {}
+
+        def build(i: int) -> None:
+            plan = plans[i]
+            for b in plan.buckets + ([plan.frozen] if plan.frozen else []):
+                b.params = [replacement(p) for p in b.params]
+            plan = plans[i]
             params = [p for b in plan.buckets for p in b.params] + (plan.frozen.params if plan.frozen else [])
             self._broadcast(params)
             fps = [self._flat_param(b, keep_full=False) for b in plan.buckets]
             if plan.frozen is not None:
                 fps.append(self._flat_param(plan.frozen, keep_full=False, trainable=False))
-            units.append(Unit(plan.name, plan.module, fps, is_root=plan.module is self.module))
+            built[i] = Unit(plan.name, plan.module, fps, is_root=plan.module is self.module)
+
+        if has_meta(self.module):
+            unit_of = {id(m): i for i, plan in enumerate(plans) for m in plan.modules}
+            left = [sum(1 for _ in plan.modules) for plan in plans]
+            for m in self.module.modules():
+                materialize_([m], device, param_init_fn=self.config.param_init_fn, root=self.module)
+                i = unit_of[id(m)]
+                left[i] -= 1
+                if left[i] == 0:
+                    build(i)
+            check_no_meta(self.module)
+            self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
+        else:
+            for i in range(len(plans)):
+                build(i)
+        self._broadcast(list(self.module.buffers()))
+        units = [built[i] for i in range(len(plans))]
         self.sharded = ShardedUnits(
             units,
             self.collectives,
@@ -135,10 +166,14 @@ class ZeroEngine:
             check_gather_order=self.config.check_gather_order,
         )
         # backward completes units in reverse forward order, the root (embeddings and head together) last
-        ordered = [(b, fp) for u in reversed(units) for b, fp in zip(plans[units.index(u)].buckets, u.trainable)]
+        ordered = [(b, fp) for i in reversed(range(len(units))) for b, fp in zip(plans[i].buckets, units[i].trainable)]
         self.sharded.bind_flat_params()
         self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
+
+    def _device(self) -> torch.device:
+        """The compute device: NCCL's current CUDA device, else the CPU."""
+        return _comm_device(self.process_group)
 
     # -- training step ------------------------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["check_no_meta", "init_meta_context", "materialize_", "materialize_module_"]
+__all__ = ["check_no_meta", "has_meta", "replacement", "init_meta_context", "materialize_", "materialize_module_"]
 
 # Attribute set on a replaced meta tensor, pointing to its materialised replacement, so that module slots that still
 # hold the meta tensor (a tie whose other owner is materialised in a later call) get the same replacement.
@@ -287,3 +287,17 @@ def check_no_meta(module: nn.Module) -> None:
         raise RuntimeError(
             f"{len(left)} parameters/buffers are still on the meta device (never materialised): {', '.join(left)}"
         )
+
+
+def has_meta(module: nn.Module) -> bool:
+    """True if any parameter or buffer of ``module`` (recursively) is on the meta device."""
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def replacement(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that replaced meta tensor ``t`` in :func:`materialize_` (``t`` itself if it was not replaced).
+
+    References taken before materialisation (an optimizer built in ``configure_optimizers``, a plan of units) use
+    this to find the live parameter.
+    """
+    return getattr(t, _REPLACEMENT_ATTR, t)

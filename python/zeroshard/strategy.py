@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from zeroshard.config import ZeroConfig
 from zeroshard.engine import ZeroEngine
+from zeroshard.meta_init import has_meta, init_meta_context
 from zeroshard.precision import ZeroPrecision
 
 
@@ -48,6 +49,8 @@ class ZeroStrategy(DDPStrategy):
         prefetch: stage 3: all-gather the next unit while the current one computes.
         check_gather_order: stage 3 debug setting: after each backward, compare the units each rank gathered and
             raise naming the first one that differs (ranks that took different code paths).
+        param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised
+            (default: ``reset_parameters()``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
@@ -71,6 +74,7 @@ class ZeroStrategy(DDPStrategy):
         wrap_policy=None,
         prefetch: bool = True,
         check_gather_order: bool = False,
+        param_init_fn=None,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -89,6 +93,7 @@ class ZeroStrategy(DDPStrategy):
             wrap_policy=wrap_policy,
             prefetch=prefetch,
             check_gather_order=check_gather_order,
+            param_init_fn=param_init_fn,
         )
         super().__init__(
             accelerator=accelerator,
@@ -129,7 +134,9 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self.model_to_device()
+        assert self.lightning_module is not None
+        if not has_meta(self.lightning_module):
+            self.model_to_device()  # a meta model is materialised on the device by the engine, unit by unit
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
@@ -190,6 +197,18 @@ class ZeroStrategy(DDPStrategy):
             yield
         finally:
             self._engine.require_grad_sync = True
+
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; otherwise Lightning's default."""
+        if empty_init:
+            return init_meta_context()
+        return super().tensor_init_context(empty_init)
+
+    def model_sharded_context(self):
+        """Stage 3 builds ``configure_model``'s layers on the meta device; each rank then allocates only its shards."""
+        if self.zero_config.stage == 3:
+            return init_meta_context()
+        return super().model_sharded_context()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -104,3 +104,16 @@ def test_validation_and_test_with_sync_dist(tmp_path):
             assert got[key] == pytest.approx(ref[key], rel=1e-5), (key, rank)
         # the DistributedSampler gave the ranks different data
         assert got["losses"][0] != json.loads((tmp_path / f"stage2_rank{1 - rank}.json").read_text())["losses"][0]
+
+
+def test_meta_init_materialises_the_same_model(tmp_path):
+    """A model built on the meta device (trainer.init_module(empty_init=True)) and materialised by the strategy, unit
+    by unit at stage 3, trains exactly like the eagerly built one under DDP (same seed)."""
+    runs = [
+        {"name": "ddp", "strategy": "ddp"},
+        {"name": "meta_stage3", "strategy": "zeroshard", "stage": 3, "meta": True},
+        {"name": "meta_stage2", "strategy": "zeroshard", "stage": 2, "meta": True},
+    ]
+    _run(tmp_path, runs)
+    _assert_same_run(tmp_path, "ddp", "meta_stage3", 20)
+    _assert_same_run(tmp_path, "ddp", "meta_stage2", 20)

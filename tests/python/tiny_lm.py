@@ -45,6 +45,11 @@ class TinyLM(L.LightningModule):
         self.lr = lr
         self.losses: list[float] = [] if record is None else record
 
+    def reset_parameters(self) -> None:
+        """Initialises this module's own tensors only (the meta-device contract); children have their own."""
+        with torch.no_grad():
+            self.frozen_scale.fill_(0.5)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) * (1 + self.frozen_scale)
         if self.sometimes is not None and self.training:

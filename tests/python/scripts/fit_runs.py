@@ -7,7 +7,7 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
-``check_gather_order``. Stage 3 runs wrap each ``Block`` as a unit.
+``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``). Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
@@ -45,7 +45,6 @@ def main() -> None:
     torch.set_num_threads(1)
     for run in runs:
         L.seed_everything(run.get("seed", 7), verbose=False)
-        model = TinyLM(optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False))
         loader = torch.utils.data.DataLoader(token_dataset(), batch_size=4)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -62,6 +61,10 @@ def main() -> None:
             deterministic=True,
             val_check_interval=5 if run.get("validate") else None,
         )
+        # meta: built on the meta device through Lightning's own hook; the strategy materialises it (same seed)
+        with trainer.init_module(empty_init=run.get("meta", False)):
+            model = TinyLM(optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False))
+        assert all(p.is_meta for p in model.parameters()) == bool(run.get("meta")), "init_module did not build on meta"
         val_loader = (
             torch.utils.data.DataLoader(token_dataset(n=64, seed=99), batch_size=8) if run.get("validate") else None
         )
