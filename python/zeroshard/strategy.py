@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
+from zeroshard.activation_checkpointing import apply_activation_checkpointing
 from zeroshard.config import ZeroConfig
 from zeroshard.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, init_meta_context
@@ -51,6 +52,9 @@ class ZeroStrategy(DDPStrategy):
             raise naming the first one that differs (ranks that took different code paths).
         param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised
             (default: ``reset_parameters()``).
+        activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
+            recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
+        offload_activations: keep the checkpointed modules' saved inputs in host memory (pinned on CUDA).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
@@ -75,6 +79,8 @@ class ZeroStrategy(DDPStrategy):
         prefetch: bool = True,
         check_gather_order: bool = False,
         param_init_fn=None,
+        activation_checkpointing=None,
+        offload_activations: bool = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -106,6 +112,12 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._engine: ZeroEngine | None = None
+        if activation_checkpointing is None and offload_activations:
+            raise ValueError(
+                "ZeroStrategy(offload_activations=True) needs activation_checkpointing=<module class or policy>."
+            )
+        self._activation_checkpointing = activation_checkpointing
+        self._offload_activations = offload_activations
 
     # -- precision ----------------------------------------------------------------------------------------------------
 
@@ -157,6 +169,10 @@ class ZeroStrategy(DDPStrategy):
         if previous is not None and previous.sharded is not None:
             previous.sharded.unshard_all()  # a new fit re-shards from whole parameters
             previous.remove_hooks()
+        if self._activation_checkpointing is not None:
+            apply_activation_checkpointing(
+                self.lightning_module, self._activation_checkpointing, offload_to_cpu=self._offload_activations
+            )
         engine = ZeroEngine(self.lightning_module, optimizer, self.zero_config)
         if engine.optimizer is not optimizer:
             for config in self.lr_scheduler_configs:

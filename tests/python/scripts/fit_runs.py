@@ -7,7 +7,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``accumulate``, ``clip``, ``max_steps``, ``max_epochs``, ``save_ckpt`` (path to write after fit), ``resume_from``
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
-``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``). Stage 3 units are Blocks.
+``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
+``checkpointing`` (recompute Blocks in backward). Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
@@ -33,6 +34,7 @@ def make_strategy(run: dict):
         stage=stage,
         wrap_policy=Block if stage == 3 else None,
         check_gather_order=run.get("check_gather_order", False),
+        activation_checkpointing=Block if run.get("checkpointing") else None,
         offload_optimizer=run.get("offload", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
