@@ -11,6 +11,7 @@ Lightning's launcher re-runs this script once per extra rank, so everything happ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from data import DEFAULT_MAX_BYTES, ByteTextDataModule  # noqa: E402
-from gpt import GPTConfig  # noqa: E402
+from gpt import Block, GPTConfig  # noqa: E402
 from lit_gpt import LitGPT  # noqa: E402
 from train_stats import TrainStats  # noqa: E402
 
@@ -86,7 +87,19 @@ def make_strategy(args: argparse.Namespace):
             "Build it from the repository root with `make build` (creates .venv, compiles zeroshard._C and puts "
             "python/ on the venv's path), run with that venv's python, or pass --strategy ddp."
         ) from e
-    return ZeroStrategy(stage=args.stage, offload_optimizer=args.offload_optimizer)
+    # stage 3 units: one per transformer block; embeddings, final norm and head form the root unit
+    wrap_policy = Block if args.stage == 3 else None
+    return ZeroStrategy(stage=args.stage, offload_optimizer=args.offload_optimizer, wrap_policy=wrap_policy)
+
+
+def full_parameters(module: LitGPT):
+    """zeroshard.gathered_parameters under --strategy zeroshard (whole parameters at stage 3); nothing under ddp."""
+    engine = getattr(module, "_zeroshard_engine", None)
+    if engine is None:
+        return contextlib.nullcontext()
+    from zeroshard import gathered_parameters
+
+    return gathered_parameters(module)
 
 
 def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.8, top_k: int | None = 50) -> str:
@@ -161,6 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     wall_s = time.perf_counter() - t0
+    # ZeRO stage 3 keeps only shards: gather the whole model for generation (a collective, so every rank enters)
+    with full_parameters(module):
+        sample = (
+            generate_sample(module, args.prompt, args.sample_tokens)
+            if trainer.is_global_zero and args.sample_tokens > 0
+            else ""
+        )
     if not trainer.is_global_zero:
         return
 
@@ -177,7 +197,6 @@ def main(argv: list[str] | None = None) -> None:
             f"train loss (mean over ranks): step {curve[0][0]} {curve[0][1]:.4f} -> step {curve[-1][0]} "
             f"{curve[-1][1]:.4f}; last val loss {val}; fit wall time {wall_s:.1f} s"
         )
-    sample = generate_sample(module, args.prompt, args.sample_tokens) if args.sample_tokens > 0 else ""
     if sample:
         print(f"\n--- sample ({args.sample_tokens} bytes after {args.prompt!r}) ---\n{sample}\n---")
 

@@ -269,9 +269,11 @@ class ZeroEngine:
             yield
             return
         self.sharded.unshard_all()
+        self.sharded.pinned = True
         try:
             yield
         finally:
+            self.sharded.pinned = False
             self.sharded.reshard_all()
 
     @torch.no_grad()

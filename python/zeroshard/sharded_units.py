@@ -78,6 +78,7 @@ class ShardedUnits:
         self.check_gather_order = check_gather_order
         self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
         self._recording = True
+        self.pinned = False  # inside gathered_parameters(): every unit stays whole, hooks do nothing
         self._handles = []
         for i, unit in enumerate(units):
             if unit.is_root:
@@ -141,6 +142,8 @@ class ShardedUnits:
 
     def _make_pre_forward(self, index: int):
         def hook(module, args):
+            if self.pinned:
+                return
             self._record(index)
             self.unshard(index)
             if self.prefetch and not self._recording:
@@ -152,6 +155,8 @@ class ShardedUnits:
 
     def _make_post_forward(self, index: int):
         def hook(module, args, output):
+            if self.pinned:
+                return output
             if torch._C._current_graph_task_id() != -1:
                 return output  # recomputation inside backward (activation checkpointing): keep the unit gathered
             self.reshard(index)
