@@ -14,7 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "extra", [["--stage", "2"], ["--stage", "1", "--offload_optimizer"]], ids=["stage2", "stage1_offload"]
+    "extra",
+    [["--stage", "2"], ["--stage", "1", "--offload_optimizer"], ["--stage", "3"]],
+    ids=["stage2", "stage1_offload", "stage3"],
 )
 def test_train_gpt_smoke(tmp_path, extra):
     summary = tmp_path / "summary.json"
