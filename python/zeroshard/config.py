@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 SUPPORTED_STAGES = (1, 2, 3)
 
 
@@ -28,6 +30,8 @@ class ZeroConfig:
         wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
             threshold (int), or ``callable(name, module) -> bool``. The root is always a unit.
         prefetch: stage 3: all-gather the next unit while the current one computes.
+        reduce_dtype: dtype gradients are accumulated and reduced in (a floating ``torch.dtype``); default fp32,
+            whatever the compute dtype. ``torch.bfloat16`` halves the gradient traffic of bf16-mixed runs.
         param_init_fn: ``callable(module)`` that initialises a module's own tensors when a model built on the meta
             device is materialised; default: each module's ``reset_parameters()``.
         check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
@@ -47,6 +51,7 @@ class ZeroConfig:
     prefetch: bool = True
     check_gather_order: bool = False
     param_init_fn: object = None
+    reduce_dtype: object = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
@@ -63,6 +68,13 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"ZeroStrategy(reduce_dtype={self.reduce_dtype!r}) must be a floating torch.dtype "
+                "(torch.float32, torch.bfloat16 or torch.float16) or None."
+            )
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(f"ZeroStrategy(param_init_fn={self.param_init_fn!r}) must be callable(module) or None.")
         for name in ("prefetch", "check_gather_order"):

@@ -43,6 +43,8 @@ class ZeroEngine:
         optimizer: a fresh torch optimizer over ``module``'s parameters (any class; param groups kept).
         config: :class:`~zeroshard.config.ZeroConfig`.
         process_group: the data-parallel group (default: the world group). Must be initialised.
+        compute_dtype: dtype of the parameters forward and backward run with (``torch.bfloat16`` for bf16-mixed);
+            default: the parameters' own. Master weights and optimizer state stay fp32.
 
     Attributes:
         optimizer: the optimizer to step: ``optimizer`` itself, rewired onto master shards, or its
@@ -59,6 +61,7 @@ class ZeroEngine:
         optimizer: Optimizer,
         config: ZeroConfig,
         process_group: dist.ProcessGroup | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -67,6 +70,8 @@ class ZeroEngine:
             )
         self.config = config
         self.module = module
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = config.reduce_dtype or torch.float32
         self.process_group = process_group or dist.group.WORLD
         self.collectives = _C.BucketedCollectives(self.process_group)
         self.rank = self.collectives.rank
@@ -103,6 +108,8 @@ class ZeroEngine:
             pin_memory=offload and device.type == "cuda",
             keep_full=keep_full,
             trainable=trainable,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype if trainable else None,
         )
 
     def _build_buckets(self) -> tuple[list[FlatParam], list[int]]:
@@ -118,7 +125,14 @@ class ZeroEngine:
                 stacklevel=3,
             )
         self._broadcast(list(self.module.parameters()) + list(self.module.buffers()))
-        return [self._flat_param(plan, keep_full=True) for plan in plans], [plan.group_index for plan in plans]
+        flat = [self._flat_param(plan, keep_full=True) for plan in plans]
+        if self.compute_dtype is not None:  # frozen and optimizer-less parameters compute in the same dtype
+            bucketed = {id(p) for plan in plans for p in plan.params}
+            with torch.no_grad():
+                for p in self.module.parameters():
+                    if id(p) not in bucketed and p.is_floating_point():
+                        p.data = p.data.to(self.compute_dtype)
+        return flat, [plan.group_index for plan in plans]
 
     def _build_units(self) -> tuple[list[FlatParam], list[int]]:
         """Stage 3: per unit, materialise (meta models), broadcast from rank 0, keep this rank's shard only.

@@ -30,6 +30,9 @@ class FlatParam:
         pin_memory: allocate host-side shards in page-locked memory (CUDA runs with offload).
         keep_full: keep the full buffer allocated (stages 1-2); False frees it after construction (stage 3).
         trainable: False for frozen parameters: no master shard, no gradient buffers.
+        compute_dtype: dtype of :attr:`full` (the parameters forward and backward see), e.g. ``torch.bfloat16``;
+            default: the parameters' dtype. The master shard is always fp32, taken from the original values.
+        reduce_dtype: dtype gradients are accumulated and reduced in; default: ``compute_dtype``.
 
     Attributes:
         layout: ``_C.FlatParamLayout``; ``layout.padded_numel == world_size * layout.shard_numel``.
@@ -58,6 +61,8 @@ class FlatParam:
         pin_memory: bool = False,
         keep_full: bool = True,
         trainable: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if not params:
             raise ValueError("FlatParam needs at least one parameter")
@@ -74,20 +79,21 @@ class FlatParam:
         self.world_size = world_size
         self.keep_full = keep_full
         self.trainable = trainable
-        self.dtype = params[0].dtype
+        source_dtype = params[0].dtype
+        self.dtype = compute_dtype or source_dtype
+        self.grad_dtype = reduce_dtype or self.dtype
         self.device = params[0].device
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
-            self.full = self.layout.flatten([p.detach() for p in params], self.dtype, self.device)
+            source = self.layout.flatten([p.detach() for p in params], source_dtype, self.device)
+            self.full = source if self.dtype == source_dtype else source.to(self.dtype)
             for p, view in zip(params, self.layout.views(self.full)):
                 p.data = view
             # Stage 3 keeps only the shard between uses: a tensor of its own, while `full` keeps its storage object
             # (the parameters' views point into it) but gives its memory back until the next all-gather.
             self.shard = self.full[begin:end] if keep_full else self.full[begin:end].clone()
         self.is_gathered = True
-        if not keep_full:
-            self.free_full()
 
         self.master: nn.Parameter | None = None
         self.master_aliases_shard = False
@@ -97,11 +103,15 @@ class FlatParam:
             if aliases:
                 master = self.shard
             else:
+                # from the original (fp32) values, not from the compute-dtype copy: the master keeps full precision
                 master = torch.empty(end - begin, dtype=torch.float32, device=self.master_device, pin_memory=pin_memory)
-                master.copy_(self.shard)
+                master.copy_(source[begin:end])
             self.master_aliases_shard = aliases
             self.master = nn.Parameter(master, requires_grad=True)
             self.grad_shard = torch.zeros(end - begin, dtype=torch.float32, device=self.device)
+        del source
+        if not keep_full:
+            self.free_full()
         self.full_grad: torch.Tensor | None = None
 
     # -- stage 3: full buffer on use only ------------------------------------------------------------------------------
@@ -138,7 +148,7 @@ class FlatParam:
     def full_grad_views(self) -> list[torch.Tensor]:
         """Per-parameter views of :attr:`full_grad`, allocating it (zeros) on first use."""
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
             self._grad_views = self.layout.views(self.full_grad)
         return self._grad_views
 

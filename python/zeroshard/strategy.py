@@ -52,6 +52,7 @@ class ZeroStrategy(DDPStrategy):
             raise naming the first one that differs (ranks that took different code paths).
         param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised
             (default: ``reset_parameters()``).
+        reduce_dtype: dtype gradients are reduced in; default fp32 (``torch.bfloat16`` halves bf16-mixed traffic).
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
             recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
         offload_activations: keep the checkpointed modules' saved inputs in host memory (pinned on CUDA).
@@ -79,6 +80,7 @@ class ZeroStrategy(DDPStrategy):
         prefetch: bool = True,
         check_gather_order: bool = False,
         param_init_fn=None,
+        reduce_dtype: torch.dtype | None = None,
         activation_checkpointing=None,
         offload_activations: bool = False,
         accelerator=None,
@@ -100,6 +102,7 @@ class ZeroStrategy(DDPStrategy):
             prefetch=prefetch,
             check_gather_order=check_gather_order,
             param_init_fn=param_init_fn,
+            reduce_dtype=reduce_dtype,
         )
         super().__init__(
             accelerator=accelerator,
@@ -134,11 +137,12 @@ class ZeroStrategy(DDPStrategy):
         elif type(plugin) is Precision:
             self._precision_plugin = ZeroPrecision("32-true")
         elif isinstance(plugin, MixedPrecision):
-            self._precision_plugin = ZeroPrecision(plugin.precision)
+            self._precision_plugin = ZeroPrecision(plugin.precision, device=plugin.device)
         else:
             raise ValueError(
                 f"ZeroStrategy cannot use the precision plugin {type(plugin).__name__} "
-                f"(precision={getattr(plugin, 'precision', '?')!r}): pass Trainer(precision='32-true')."
+                f"(precision={getattr(plugin, 'precision', '?')!r}): use Trainer(precision='32-true', 'bf16-mixed' or "
+                "'16-mixed')."
             )
 
     # -- setup and teardown -------------------------------------------------------------------------------------------
@@ -146,6 +150,7 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin.device = self.root_device.type
         assert self.lightning_module is not None
         if not has_meta(self.lightning_module):
             self.model_to_device()  # a meta model is materialised on the device by the engine, unit by unit
@@ -173,7 +178,9 @@ class ZeroStrategy(DDPStrategy):
             apply_activation_checkpointing(
                 self.lightning_module, self._activation_checkpointing, offload_to_cpu=self._offload_activations
             )
-        engine = ZeroEngine(self.lightning_module, optimizer, self.zero_config)
+        engine = ZeroEngine(
+            self.lightning_module, optimizer, self.zero_config, compute_dtype=self.precision_plugin.compute_dtype
+        )
         if engine.optimizer is not optimizer:
             for config in self.lr_scheduler_configs:
                 config.scheduler.optimizer = engine.optimizer

@@ -119,3 +119,44 @@ def test_meta_init_materialises_the_same_model(tmp_path):
     _assert_same_run(tmp_path, "ddp", "stage3_recompute", 20)  # activation checkpointing of the stage-3 units
     _assert_same_run(tmp_path, "ddp", "meta_stage3", 20)
     _assert_same_run(tmp_path, "ddp", "meta_stage2", 20)
+
+
+def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
+    """bf16-mixed: parameters stored, gathered and computed in bf16, fp32 master weights; DDP runs Lightning's own
+    bf16-mixed (autocast over fp32 parameters). The two differ by bf16 rounding of the parameters, nothing more."""
+    runs = [{"name": "ddp", "strategy": "ddp", "precision": "bf16-mixed"}]
+    runs += [{"name": f"stage{s}", "strategy": "zeroshard", "stage": s, "precision": "bf16-mixed"} for s in (1, 2, 3)]
+    runs.append(
+        {
+            "name": "stage3_bf16_reduce",
+            "strategy": "zeroshard",
+            "stage": 3,
+            "precision": "bf16-mixed",
+            "reduce_bf16": True,
+        }
+    )
+    _run(tmp_path, runs)
+    for name in ("stage1", "stage2", "stage3", "stage3_bf16_reduce"):
+        for rank in range(2):
+            ref, got = _losses(tmp_path, "ddp", rank), _losses(tmp_path, name, rank)
+            torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+            assert got[-5:].mean() < got[:5].mean() - 0.1, f"{name} did not learn: {got}"
+        pa, pb = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / f"{name}.pt")
+        for k in pa:
+            assert pb[k].dtype == torch.bfloat16 or not pb[k].is_floating_point() or k == "frozen_scale", (
+                k,
+                pb[k].dtype,
+            )
+            torch.testing.assert_close(pb[k].float(), pa[k].float(), rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, stage):
+    """An inf loss on rank 1 only: every rank skips that step, master shards and optimizer state stay bit-identical."""
+    out = tmp_path / "fp16.json"
+    run_ranks(Path(__file__).parent / "scripts" / "fp16_overflow.py", [str(out), str(stage)])
+    result = json.loads(out.read_text())
+    assert result["unchanged_on_every_rank"] == [True, True]
+    assert result["skipped_steps"] == 1  # only the injected overflow: the scale (256) fits fp16 otherwise
+    assert result["scale"] == 128.0  # halved once (hysteresis 1)
+    assert all(torch.isfinite(torch.tensor(result["losses"][:3]))), result["losses"]

@@ -8,7 +8,7 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
 ``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
-``checkpointing`` (recompute Blocks in backward). Stage 3 units are Blocks.
+``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``. Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
@@ -35,6 +35,7 @@ def make_strategy(run: dict):
         wrap_policy=Block if stage == 3 else None,
         check_gather_order=run.get("check_gather_order", False),
         activation_checkpointing=Block if run.get("checkpointing") else None,
+        reduce_dtype=torch.bfloat16 if run.get("reduce_bf16") else None,
         offload_optimizer=run.get("offload", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
@@ -61,6 +62,7 @@ def main() -> None:
             enable_progress_bar=False,
             enable_model_summary=False,
             deterministic=True,
+            precision=run.get("precision", "32-true"),
             val_check_interval=5 if run.get("validate") else None,
         )
         # meta: built on the meta device through Lightning's own hook; the strategy materialises it (same seed)
