@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 
 import zeroshard
 from zeroshard import ZeroStrategy
@@ -23,6 +24,8 @@ from zeroshard import ZeroStrategy
         ({"allgather_bucket_size": 1.5}, r"allgather_bucket_size=1.5"),
         ({"max_inflight_buckets": 0}, r"max_inflight_buckets=0"),
         ({"offload_optimizer": "yes"}, r"offload_optimizer='yes'"),
+        ({"reduce_dtype": torch.int32}, r"reduce_dtype=torch.int32.*floating"),
+        ({"offload_activations": True}, r"offload_activations=True\) needs activation_checkpointing"),
     ],
 )
 def test_bad_settings_fail_at_construction(kwargs, match):
@@ -31,8 +34,15 @@ def test_bad_settings_fail_at_construction(kwargs, match):
 
 
 def test_unsupported_precision_fails_when_trainer_is_built():
-    with pytest.raises(ValueError, match=r"precision='bf16-mixed'.*32-true"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2), precision="bf16-mixed", logger=False)
+    with pytest.raises(ValueError, match=r"HalfPrecision \(precision='bf16-true'\).*'bf16-mixed'"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2), precision="bf16-true", logger=False)
+
+
+@pytest.mark.parametrize("precision, dtype", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)])
+def test_precision_flag_becomes_zero_precision(precision, dtype):
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3), precision=precision, logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, zeroshard.ZeroPrecision)
+    assert trainer.strategy.precision_plugin.compute_dtype == dtype
 
 
 @pytest.mark.parametrize(
