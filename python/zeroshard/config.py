@@ -30,6 +30,8 @@ class ZeroConfig:
         wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
             threshold (int), or ``callable(name, module) -> bool``. The root is always a unit.
         prefetch: stage 3: all-gather the next unit while the current one computes.
+        param_persistence_threshold: stage 3: units with fewer parameter elements than this stay gathered for the
+            whole run (DeepSpeed's ``stage3_param_persistence_threshold``): too small to be worth a collective each.
         reduce_dtype: dtype gradients are accumulated and reduced in (a floating ``torch.dtype``); default fp32,
             whatever the compute dtype. ``torch.bfloat16`` halves the gradient traffic of bf16-mixed runs.
         param_init_fn: ``callable(module)`` that initialises a module's own tensors when a model built on the meta
@@ -52,6 +54,7 @@ class ZeroConfig:
     check_gather_order: bool = False
     param_init_fn: object = None
     reduce_dtype: object = None
+    param_persistence_threshold: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
@@ -63,6 +66,11 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroStrategy(wrap_policy={self.wrap_policy!r}) only applies to stage=3 (stages 1-2 keep parameters "
                 "whole); drop it or use stage=3."
+            )
+        if isinstance(self.param_persistence_threshold, bool) or not isinstance(self.param_persistence_threshold, int):
+            raise ValueError(
+                f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int "
+                "(elements; 0 keeps nothing gathered)."
             )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets"):
             value = getattr(self, name)

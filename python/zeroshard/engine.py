@@ -155,7 +155,9 @@ class ZeroEngine:
             fps = [self._flat_param(b, keep_full=False) for b in plan.buckets]
             if plan.frozen is not None:
                 fps.append(self._flat_param(plan.frozen, keep_full=False, trainable=False))
-            built[i] = Unit(plan.name, plan.module, fps, is_root=plan.module is self.module)
+            numel = sum(fp.numel for fp in fps)
+            persistent = numel < self.config.param_persistence_threshold
+            built[i] = Unit(plan.name, plan.module, fps, is_root=plan.module is self.module, persistent=persistent)
 
         if has_meta(self.module):
             unit_of = {id(m): i for i, plan in enumerate(plans) for m in plan.modules}
@@ -239,6 +241,10 @@ class ZeroEngine:
         self.reducer.consume()
         for fp in self.flat_params:
             fp.load_master_into_shard()
+        if self.sharded is not None:
+            for i, unit in enumerate(self.sharded.units):
+                if unit.persistent:
+                    self.sharded.reshard(i, force=True)  # gathered again, with the new values, at its next use
         if self.sharded is None and self.flat_params:
             self.collectives.all_gather(
                 [fp.shard for fp in self.flat_params],

@@ -27,11 +27,14 @@ from zeroshard.flat_param import FlatParam
 class Unit:
     """A unit's flat parameters and gather state."""
 
-    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool, persistent: bool = False
+    ) -> None:
         self.name = name or "<root>"
         self.module = module
         self.flat_params = flat_params
         self.is_root = is_root
+        self.persistent = persistent  # below the persistence threshold: gathered once, never freed
         self.pending = None  # CollectiveHandle of an all-gather in flight
         self.launched = 0  # trainable flat parameters whose reduction was launched this backward
 
@@ -122,10 +125,12 @@ class ShardedUnits:
         for fp in unit.flat_params:
             fp.is_gathered = True
 
-    def reshard(self, index: int) -> None:
+    def reshard(self, index: int, *, force: bool = False) -> None:
         unit = self.units[index]
         if unit.pending is not None:
             self._wait(unit)
+        if unit.persistent and not force:
+            return
         for fp in unit.flat_params:
             if fp.is_gathered:
                 fp.free_full()

@@ -52,6 +52,7 @@ class ZeroStrategy(DDPStrategy):
             raise naming the first one that differs (ranks that took different code paths).
         param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised
             (default: ``reset_parameters()``).
+        param_persistence_threshold: stage 3: units smaller than this many elements stay gathered (no collectives).
         reduce_dtype: dtype gradients are reduced in; default fp32 (``torch.bfloat16`` halves bf16-mixed traffic).
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
             recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
@@ -81,6 +82,7 @@ class ZeroStrategy(DDPStrategy):
         check_gather_order: bool = False,
         param_init_fn=None,
         reduce_dtype: torch.dtype | None = None,
+        param_persistence_threshold: int = 0,
         activation_checkpointing=None,
         offload_activations: bool = False,
         accelerator=None,
@@ -103,6 +105,7 @@ class ZeroStrategy(DDPStrategy):
             check_gather_order=check_gather_order,
             param_init_fn=param_init_fn,
             reduce_dtype=reduce_dtype,
+            param_persistence_threshold=param_persistence_threshold,
         )
         super().__init__(
             accelerator=accelerator,

@@ -114,8 +114,10 @@ def test_meta_init_materialises_the_same_model(tmp_path):
         {"name": "meta_stage3", "strategy": "zeroshard", "stage": 3, "meta": True},
         {"name": "meta_stage2", "strategy": "zeroshard", "stage": 2, "meta": True},
         {"name": "stage3_recompute", "strategy": "zeroshard", "stage": 3, "checkpointing": True},
+        {"name": "stage3_persistent", "strategy": "zeroshard", "stage": 3, "persist": True},
     ]
     _run(tmp_path, runs)
+    _assert_same_run(tmp_path, "ddp", "stage3_persistent", 20)  # small units kept gathered, refreshed after steps
     _assert_same_run(tmp_path, "ddp", "stage3_recompute", 20)  # activation checkpointing of the stage-3 units
     _assert_same_run(tmp_path, "ddp", "meta_stage3", 20)
     _assert_same_run(tmp_path, "ddp", "meta_stage2", 20)

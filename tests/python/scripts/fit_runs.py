@@ -8,7 +8,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
 ``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
-``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``. Stage 3 units are Blocks.
+``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``,
+``persist`` (stage 3 units below 1e5 elements stay gathered). Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
@@ -36,6 +37,7 @@ def make_strategy(run: dict):
         check_gather_order=run.get("check_gather_order", False),
         activation_checkpointing=Block if run.get("checkpointing") else None,
         reduce_dtype=torch.bfloat16 if run.get("reduce_bf16") else None,
+        param_persistence_threshold=10**5 if run.get("persist") else 0,
         offload_optimizer=run.get("offload", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
