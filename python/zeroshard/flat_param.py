@@ -108,7 +108,7 @@ class FlatParam:
                 master.copy_(source[begin:end])
             self.master_aliases_shard = aliases
             self.master = nn.Parameter(master, requires_grad=True)
-            self.grad_shard = torch.zeros(end - begin, dtype=torch.float32, device=self.device)
+        self._grad_shard: torch.Tensor | None = None
         del source
         if not keep_full:
             self.free_full()
@@ -139,6 +139,17 @@ class FlatParam:
             self.full.untyped_storage().resize_(self.full_nbytes)
             for p, view in zip(self.params, self.layout.views(self.full)):
                 p.data = view
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """fp32 gradient shard, allocated (zeros) at the first reduction, so materialising a model costs shards only."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+        return self._grad_shard
+
+    def zero_grad_shard(self) -> None:
+        if self._grad_shard is not None:
+            self._grad_shard.zero_()
 
     @property
     def numel(self) -> int:

@@ -168,4 +168,4 @@ class GradReducer:
         """Marks the reduced gradients as used by an optimizer step and zeroes the gradient shards."""
         self._grads_ready = False
         for fp in self.flat_params:
-            fp.grad_shard.zero_()
+            fp.zero_grad_shard()

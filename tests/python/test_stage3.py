@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,16 @@ def test_divergent_ranks_end_the_job_without_the_check():
     with pytest.raises(AssertionError) as info:
         run_ranks(SCRIPTS / "diverge.py", ["0"], timeout=120)
     assert "killed after" not in str(info.value)
+
+
+def test_materialisation_peak_memory_follows_the_layout(tmp_path, monkeypatch):
+    """Materialising a meta model unit by unit keeps each rank near its shards plus one unit, not the whole model."""
+    # every large block straight from mmap and back on free, so peak RSS measures what was alive, not glibc's cache
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    out = tmp_path / "memory.json"
+    run_ranks(SCRIPTS / "materialize_memory.py", [str(out)], timeout=300)
+    for row in json.loads(out.read_text()):
+        mib = {k: round(v / 2**20, 1) for k, v in row.items() if k != "rank"}
+        # measured peak growth within the layout's bound (plus allocator slack), and well under the whole model
+        assert row["growth"] <= row["bound"] + 16 * 2**20, mib
+        assert row["growth"] < 0.8 * row["model_bytes"], mib
