@@ -75,6 +75,39 @@ class Config:
     fsdp2: bool = False
 
 
+def _zero_stage3():
+    from gpt import Block
+    from zeroshard import ZeroStrategy
+
+    return ZeroStrategy(stage=3, wrap_policy=Block)
+
+
+def init_timing(args: argparse.Namespace) -> dict:
+    """Seconds to build the GPT eagerly, on the meta device, and on meta then materialised (one process, CPU)."""
+    import torch
+
+    from gpt import GPT, GPTConfig
+    from zeroshard.meta_init import init_meta_context, materialize_module_
+
+    cfg = GPTConfig(n_layer=args.init_layers, n_head=args.init_heads, n_embd=args.init_embd, block_size=args.block_size)
+    out = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head}
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    eager = GPT(cfg)
+    out["eager_s"] = time.perf_counter() - t
+    out["num_params"] = sum(p.numel() for p in eager.parameters())
+    del eager
+    t = time.perf_counter()
+    with init_meta_context():
+        meta = GPT(cfg)
+    out["meta_build_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    torch.manual_seed(0)
+    materialize_module_(meta, torch.device("cpu"))
+    out["materialize_s"] = time.perf_counter() - t
+    return out
+
+
 def _model_parallel(world_size: int):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -114,7 +147,12 @@ CONFIGS = {
             lambda n: "zeroshard_stage_2_offload",
             lambda n, cuda: state_bytes(4, 4 / n, 4 / n if cuda else 0, 8 / n),
         ),
-        # zeroshard_stage_3 goes here: state_bytes(4 / n, 4 / n, 0, 8 / n)
+        Config(
+            "zeroshard_stage_3",
+            "ZeroStrategy(stage=3, wrap_policy=Block): parameters sharded too, one unit per Block, built on meta",
+            lambda n: _zero_stage3(),
+            lambda n, cuda: state_bytes(4 / n, 4 / n, 0, 8 / n),
+        ),
     ]
 }
 
@@ -200,15 +238,8 @@ def run_rank(args: argparse.Namespace) -> None:
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         summary = engine.memory_summary()
-        # memory_summary counts the gradient shards only; stage 1 also keeps each bucket's full gradient buffer
-        full_grad = sum(fp.full_grad.numel() * 4 for fp in engine.flat_params if fp.full_grad is not None)
         out["memory_summary"] = summary
-        out["measured"] = {
-            "params": summary["params"],
-            "grads": summary["grad_shard"] + full_grad,
-            "master": summary["master"],
-            "optimizer_state": summary["optimizer_state"],
-        }
+        out["measured"] = summary
     else:
         out["measured"] = held_state(module, trainer.strategy.optimizers[0])
     Path(args.rank_out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
@@ -404,6 +435,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=f"benchmarks/results/train_{socket.gethostname()}.json")
     p.add_argument("--rank_of", default=None, help=argparse.SUPPRESS)  # internal: run one rank of this config
     p.add_argument("--rank_out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--init_layers", type=int, default=12, help="GPT size for the init timing (0 skips it)")
+    p.add_argument("--init_embd", type=int, default=768)
+    p.add_argument("--init_heads", type=int, default=12)
     return p.parse_args(argv)
 
 
@@ -435,9 +469,16 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"  {name}: {rows[-1]['s_per_step']:.3f} s/step, final loss {rows[-1]['final_loss']:.5f} "
                   f"({wall:.0f} s wall, load {rows[-1]['load_average_after'][0]:.2f})", flush=True)  # fmt: skip
+    init = init_timing(args) if args.init_layers > 0 else None
     load_end = os.getloadavg()
 
     print_table(rows)
+    if init:
+        print(
+            f"\ninit of a {init['num_params'] / 1e6:.0f}M-parameter GPT ({init['n_layer']} x {init['n_embd']}): eager "
+            f"{init['eager_s']:.2f} s; meta build {init['meta_build_s']:.3f} s; meta build + materialise "
+            f"{init['meta_build_s'] + init['materialize_s']:.2f} s (ZeRO-3 materialises only each rank's units' shards)"
+        )
     flags = check_losses(rows)
     print("final losses: " + ", ".join(f"{r['config']} {r['final_loss']:.6f}" for r in rows if "final_loss" in r))
     for f in flags:
@@ -458,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "loss_rtol": LOSS_RTOL,
         "loss_flags": flags,
         "rows": rows,
+        "init": init,
     }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -362,14 +362,18 @@ class ZeroEngine:
             dist.broadcast(t.data, src=0, group=self.process_group)
 
     def memory_summary(self) -> dict[str, int]:
-        """Bytes of model state this rank holds, by kind."""
-        out = {"params": 0, "master": 0, "grad_shard": 0, "optimizer_state": 0}
+        """Bytes of model state this rank holds, by kind: ``params`` (whole at stages 1-2, shards at 3), ``master``
+        (fp32 copies that do not alias the parameter shards), ``grads`` (shards, plus full buffers alive at the
+        time), ``optimizer_state``. Trainable flat parameters only."""
+        out = {"params": 0, "master": 0, "grads": 0, "optimizer_state": 0}
         for fp in self.flat_params:
             held = fp.full if fp.keep_full else fp.shard
             out["params"] += held.numel() * held.element_size()
             if not fp.master_aliases_shard:
                 out["master"] += fp.master.numel() * 4
-            out["grad_shard"] += fp.grad_shard.numel() * 4
+            out["grads"] += fp.layout.shard_numel * 4  # the fp32 gradient shard
+            if fp.full_grad is not None:  # stage 1 keeps its full gradient buffer between steps
+                out["grads"] += fp.full_grad.numel() * fp.full_grad.element_size()
             for v in self.optimizer.state.get(fp.master, {}).values():
                 if torch.is_tensor(v):
                     out["optimizer_state"] += v.numel() * v.element_size()
