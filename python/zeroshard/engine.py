@@ -15,7 +15,7 @@ all-gather of the flat buffers, which the module's parameters view.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -350,6 +350,39 @@ class ZeroEngine:
         for k, v in refs.items():
             if id(v) not in params and k in state_dict:
                 v.data.copy_(state_dict[k])
+
+    # -- loading from per-parameter sources ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_shards_from(self, read: Callable[[str, int, int, torch.Tensor], bool]) -> None:
+        """Fills this rank's parameter shards (and master shards) from a per-parameter source; collective.
+
+        Each rank asks only for the pieces of each parameter that fall into its own shards, so it reads about 1/N of
+        the source. ``read(name, start, end, out)`` copies elements ``[start, end)`` of parameter ``name`` (flattened,
+        in its own dtype) into the 1-D tensor ``out`` (cast as needed) and returns False if the source lacks ``name``
+        (the parameter keeps its current values). Stages 1-2 then all-gather the full parameters; stage 3 gathers
+        them on use.
+        """
+        fps = [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else self.flat_params
+        for fp in fps:
+            for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
+                read(fp.names[pi], p_off, p_off + n, fp.shard[s_off : s_off + n])
+            fp.load_shard_into_master()
+            if self.sharded is not None:
+                fp.is_gathered = False
+                fp.free_full()
+        if self.sharded is None and self.flat_params:
+            self.collectives.all_gather(
+                [fp.shard for fp in self.flat_params],
+                [fp.full for fp in self.flat_params],
+                self.config.allgather_bucket_size,
+            ).wait()
+
+    def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Parameters no flat parameter holds (frozen or optimizer-less ones at stages 1-2): whole on every rank."""
+        fps = [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else self.flat_params
+        held = {id(p) for fp in fps for p in fp.params}
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) not in held]
 
     # -- helpers ------------------------------------------------------------------------------------------------------
 
