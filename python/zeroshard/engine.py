@@ -94,6 +94,11 @@ class ZeroEngine:
             on_finished=self._on_backward_finished,
         )
         module._zeroshard_engine = self
+        if getattr(module, "_zeroshard_pretrained", None) is not None:
+            # load_pretrained() was called on the meta model: each rank now reads only its shards' pieces
+            from zeroshard.pretrained import apply_recorded_pretrained
+
+            apply_recorded_pretrained(self)
 
     def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
         offload = self.config.offload_optimizer
