@@ -27,6 +27,9 @@ from zeroshard.config import ZeroConfig
 from zeroshard.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, init_meta_context
 from zeroshard.precision import ZeroPrecision
+from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+
+_SHARDED_LOADED = "_zeroshard_sharded_checkpoint_loaded"
 
 
 class ZeroStrategy(DDPStrategy):
@@ -57,6 +60,9 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
             recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
         offload_activations: keep the checkpointed modules' saved inputs in host memory (pinned on CUDA).
+        state_dict_type: ``"full"``: ``save_checkpoint`` writes one consolidated file (gathered to rank 0's CPU, unit
+            by unit). ``"sharded"``: a directory where each rank writes its own shards, saved atomically, loadable at
+            any world size and stage with each rank reading only what it needs (:mod:`zeroshard.sharded_checkpoint`).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
@@ -85,6 +91,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: int = 0,
         activation_checkpointing=None,
         offload_activations: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -122,6 +129,9 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError(
                 "ZeroStrategy(offload_activations=True) needs activation_checkpointing=<module class or policy>."
             )
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}) must be 'full' or 'sharded'.")
+        self._state_dict_type = state_dict_type
         self._activation_checkpointing = activation_checkpointing
         self._offload_activations = offload_activations
 
@@ -238,8 +248,8 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """Stage 3 loads a checkpoint into the shards, so the engine must exist first."""
-        return self.zero_config.stage == 3
+        """Checkpoints load into the engine's shards (any stage, either format), so the engine must exist first."""
+        return True
 
     def training_step(self, *args: Any, **kwargs: Any):
         if self._engine is not None:
@@ -279,9 +289,30 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self._state_dict_type == "sharded" and self._engine is not None:
+            if storage_options is not None:
+                raise TypeError("ZeroStrategy(state_dict_type='sharded') does not take storage_options")
+            trainer_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            save_sharded(self._engine, self.broadcast(str(filepath)), trainer_state)
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(checkpoint_path):
+            if self._engine is None:
+                raise RuntimeError(
+                    f"{checkpoint_path} is a sharded checkpoint; it loads during trainer.fit(ckpt_path=...)"
+                )
+            state = load_sharded(self._engine, checkpoint_path)
+            return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full parameters and buffers as CPU copies on rank 0 (``{}`` elsewhere); stage 3 gathers unit by unit."""
         assert self.lightning_module is not None
+        if self._engine is not None and self._state_dict_type == "sharded":
+            return {}  # each rank writes its own shards in save_checkpoint
         if self._engine is not None:
             return self._engine.full_state_dict()
         if not self.is_global_zero:
@@ -292,17 +323,23 @@ class ZeroStrategy(DDPStrategy):
         """Consolidated optimizer state in torch's format (rank 0); collective, every rank must call it."""
         optimizer = self._unwrap(optimizer)
         if self._engine is not None and optimizer is self._engine.optimizer:
+            if self._state_dict_type == "sharded":
+                return {}
             return self._engine.optimizer_state_dict()
         return super().optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.lightning_module is not None
+        if checkpoint.get(_SHARDED_LOADED):
+            return
         if self._engine is not None:
             self._engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
         else:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get(_SHARDED_LOADED):
+            return
         if self._engine is None:
             super().load_optimizer_state_dict(checkpoint)
             return

@@ -22,6 +22,7 @@ def _losses(tmp_path: Path, name: str, rank: int) -> torch.Tensor:
 
 def test_fit_save_resume_round_trip(tmp_path):
     z2, z3, ddp = str(tmp_path / "stage2.ckpt"), str(tmp_path / "stage3.ckpt"), str(tmp_path / "ddp.ckpt")
+    zs = str(tmp_path / "stage2_sharded")
     runs = [
         {"name": "straight", "strategy": "zeroshard", "stage": 2, "max_epochs": 2},
         {"name": "first_half", "strategy": "zeroshard", "stage": 2, "max_epochs": 1, "save_ckpt": z2},
@@ -32,6 +33,9 @@ def test_fit_save_resume_round_trip(tmp_path):
         {"name": "first_half3", "strategy": "zeroshard", "stage": 3, "max_epochs": 1, "save_ckpt": z3},
         {"name": "resumed3", "strategy": "zeroshard", "stage": 3, "max_epochs": 2, "resume_from": z3},
         {"name": "stage3_from_stage2", "strategy": "zeroshard", "stage": 3, "max_epochs": 2, "resume_from": z2},
+        {"name": "first_half_sharded", "strategy": "zeroshard", "max_epochs": 1, "save_ckpt": zs, "sharded": True},
+        {"name": "resumed_sharded", "strategy": "zeroshard", "max_epochs": 2, "resume_from": zs, "sharded": True},
+        {"name": "stage3_from_sharded", "strategy": "zeroshard", "stage": 3, "max_epochs": 2, "resume_from": zs},
     ]
     run_ranks(SCRIPT, [str(tmp_path), json.dumps(runs)])
 
@@ -43,7 +47,8 @@ def test_fit_save_resume_round_trip(tmp_path):
             _losses(tmp_path, "first_half3", rank), straight[:STEPS_PER_EPOCH], rtol=1e-5, atol=1e-6
         )
         resumed_names = ("resumed", "resumed_stage1", "from_ddp", "resumed3", "stage3_from_stage2")
-        for name, rtol in zip(resumed_names, (1e-6, 1e-5, 1e-5, 1e-5, 1e-5)):
+        resumed_names += ("resumed_sharded", "stage3_from_sharded")
+        for name, rtol in zip(resumed_names, (1e-6, 1e-5, 1e-5, 1e-5, 1e-5, 1e-6, 1e-5)):
             resumed = _losses(tmp_path, name, rank)
             assert len(resumed) == STEPS_PER_EPOCH, name
             torch.testing.assert_close(

@@ -9,7 +9,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
 ``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
 ``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``,
-``persist`` (stage 3 units below 1e5 elements stay gathered). Stage 3 units are Blocks.
+``persist`` (stage 3 units below 1e5 elements stay gathered),
+``sharded`` (sharded checkpoints). Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
 """
 
@@ -38,6 +39,7 @@ def make_strategy(run: dict):
         activation_checkpointing=Block if run.get("checkpointing") else None,
         reduce_dtype=torch.bfloat16 if run.get("reduce_bf16") else None,
         param_persistence_threshold=10**5 if run.get("persist") else 0,
+        state_dict_type="sharded" if run.get("sharded") else "full",
         offload_optimizer=run.get("offload", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
