@@ -111,6 +111,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
             "flat_params": layouts,
             "optimizer": {"param_groups": groups, "scalar_state": scalar_state},
             "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
+            "aliases": _aliases(engine.module),
         }
         (partial / INDEX).write_text(json.dumps(index, indent=1, default=str))
         torch.save(trainer_state or {}, partial / TRAINER_STATE)
@@ -121,6 +122,18 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
         partial.rename(path)  # the commit point: before it, `path` is the previous checkpoint, whole
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=engine.process_group)
+
+
+def _aliases(module: torch.nn.Module) -> dict[str, str]:
+    """State-dict keys that name a tensor already listed under an earlier key (tied weights): alias -> first key."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) in first:
+            aliases[key] = first[id(value)]
+        else:
+            first[id(value)] = key
+    return aliases
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

@@ -75,3 +75,36 @@ def test_missing_and_corrupt_files_are_named(saved, tmp_path):
     (bad / "rank00001.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="rank00001.safetensors is missing"):
         verify(bad)
+
+
+def test_consolidate_streams_to_plain_files(saved, tmp_path):
+    """`python -m zeroshard.consolidate` gives the state dict the consolidated checkpoint holds, loadable plainly."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from zeroshard.consolidate import consolidate
+
+    ref = torch.load(saved / "full.ckpt", weights_only=False)["state_dict"]
+    torch_out = tmp_path / "model.pt"
+    env_path = str(Path(__file__).resolve().parents[2] / "python")
+    cmd = [sys.executable, "-m", "zeroshard.consolidate", str(saved / "sharded"), str(torch_out), "--format", "torch"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={"PYTHONPATH": env_path, "PATH": ""}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plain = torch.load(torch_out)
+    assert plain.keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(plain[k], v, rtol=0, atol=0, msg=k)
+
+    files = consolidate(saved / "sharded", tmp_path / "st", max_shard_size=20_000, dtype=torch.bfloat16)
+    assert len(files) > 1 and (tmp_path / "st" / "model.safetensors.index.json").is_file()
+    merged = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert merged.keys() == ref.keys()
+    for k, v in ref.items():
+        assert merged[k].dtype == (torch.bfloat16 if v.is_floating_point() else v.dtype)
+        torch.testing.assert_close(merged[k].float(), v.float(), rtol=1e-2, atol=1e-2, msg=k)
+    # the unwrapped model loads it
+    from tiny_lm import TinyLM
+
+    TinyLM().load_state_dict(plain)
