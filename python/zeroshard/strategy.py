@@ -60,9 +60,10 @@ class ZeroStrategy(DDPStrategy):
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
             recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
         offload_activations: keep the checkpointed modules' saved inputs in host memory (pinned on CUDA).
-        state_dict_type: ``"full"``: ``save_checkpoint`` writes one consolidated file (gathered to rank 0's CPU, unit
-            by unit). ``"sharded"``: a directory where each rank writes its own shards, saved atomically, loadable at
-            any world size and stage with each rank reading only what it needs (:mod:`zeroshard.sharded_checkpoint`).
+        state_dict_type: ``"sharded"`` (default): ``save_checkpoint`` writes a directory where each rank writes its own
+            shards, atomically, loadable at any world size and stage with each rank reading only what it needs
+            (:mod:`zeroshard.sharded_checkpoint`; ``python -m zeroshard.consolidate`` turns it into plain files).
+            ``"full"``: one consolidated file (gathered unit by unit to rank 0's CPU), in torch's optimizer format.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
@@ -91,7 +92,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: int = 0,
         activation_checkpointing=None,
         offload_activations: bool = False,
-        state_dict_type: Literal["full", "sharded"] = "full",
+        state_dict_type: Literal["full", "sharded"] = "sharded",
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,

@@ -25,6 +25,7 @@ from zeroshard import ZeroStrategy
         ({"max_inflight_buckets": 0}, r"max_inflight_buckets=0"),
         ({"offload_optimizer": "yes"}, r"offload_optimizer='yes'"),
         ({"reduce_dtype": torch.int32}, r"reduce_dtype=torch.int32.*floating"),
+        ({"state_dict_type": "dcp"}, r"state_dict_type='dcp'.*'full' or 'sharded'"),
         ({"offload_activations": True}, r"offload_activations=True\) needs activation_checkpointing"),
     ],
 )

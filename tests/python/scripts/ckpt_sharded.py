@@ -24,7 +24,9 @@ from zeroshard.sharded_checkpoint import load_sharded, save_sharded
 
 def fit(out: Path, stage: int) -> None:
     L.seed_everything(3, verbose=False)
-    strategy = zeroshard.ZeroStrategy(stage=stage, wrap_policy=Block if stage == 3 else None, reduce_bucket_size=3000)
+    strategy = zeroshard.ZeroStrategy(
+        stage=stage, wrap_policy=Block if stage == 3 else None, reduce_bucket_size=3000, state_dict_type="full"
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
