@@ -9,7 +9,7 @@ memory-mapped slicing, only the rows of each tensor that overlap that range.
 
 Flow::
 
-    with zeroshard.init_meta_context():
+    with zeroshard.meta_init.init_meta_context():
         model = MyModel(cfg)                                        # nothing allocated
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, wrap_policy=Block))   # shards, random init
     report = zeroshard.load_pretrained(model, "ckpt_dir/")          # every rank; each reads ~1/N of the checkpoint
@@ -404,9 +404,9 @@ def load_pretrained(
       checkpoint plus up to one row per tensor at each shard boundary; master shards are refreshed, stages 1-2 then
       all-gather. Parameters outside flat parameters (``ZeroEngine.unsharded_parameters()``) and buffers are read
       whole by every rank.
-    - **On the meta device** (built under :func:`zeroshard.init_meta_context`, no engine yet): names and shapes are
-      checked now, nothing is read; the checkpoint is recorded as ``model._zeroshard_pretrained = (source, key_map,
-      strict)`` and :func:`apply_recorded_pretrained` loads it once the engine has sharded the model.
+    - **On the meta device** (built under :func:`zeroshard.meta_init.init_meta_context`, no engine yet): names and
+      shapes are checked now, nothing is read; the checkpoint is recorded as ``model._zeroshard_pretrained = (source,
+      key_map, strict)`` and :func:`apply_recorded_pretrained` loads it once the engine has sharded the model.
     - **Materialised, no engine**: every tensor is read whole (plain load).
 
     Checks come first, before anything is written: every key of ``model.state_dict(keep_vars=True)`` (a tensor

@@ -7,7 +7,7 @@ feed-forward; pooler) followed by sentence-transformers' mean pooling. Dropout i
 
 Every module that owns tensors initialises them in its own ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``,
 ``nn.LayerNorm``, and :class:`Embeddings` for its ``position_ids`` buffer), so the model can be built under
-``zeroshard.init_meta_context()`` and materialised by the ZeRO engine.
+``zeroshard.meta_init.init_meta_context()`` and materialised by the ZeRO engine.
 """
 
 from __future__ import annotations
