@@ -18,6 +18,7 @@ from zeroshard.engine import ZeroEngine
 from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.precision import ZeroPrecision
+from zeroshard.pretrained import load_pretrained as load_pretrained
 from zeroshard.strategy import ZeroStrategy
 
 __version__ = "0.1.0"
