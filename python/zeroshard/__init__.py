@@ -4,6 +4,8 @@ Public API:
     ZeroStrategy: the Lightning strategy (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
         ``zeroshard_stage_2_offload``, ``zeroshard_stage_3``).
     gathered_parameters: a context manager giving whole parameters at stage 3 (generation, inspection).
+    init_meta_context: build a model on the meta device (nothing allocated until the strategy shards it).
+    load_pretrained: load a safetensors checkpoint, each rank reading only the slices its shards need.
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning.
@@ -17,8 +19,9 @@ from zeroshard.cpu_adam import CPUAdam
 from zeroshard.engine import ZeroEngine
 from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
+from zeroshard.meta_init import init_meta_context
 from zeroshard.precision import ZeroPrecision
-from zeroshard.pretrained import load_pretrained as load_pretrained
+from zeroshard.pretrained import load_pretrained
 from zeroshard.strategy import ZeroStrategy
 
 __version__ = "0.1.0"
@@ -31,6 +34,8 @@ __all__ = [
     "ZeroStrategy",
     "cpu_isa",
     "gathered_parameters",
+    "init_meta_context",
+    "load_pretrained",
     "supported_cpu_isas",
 ]
 

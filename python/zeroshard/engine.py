@@ -30,6 +30,7 @@ from zeroshard.flat_param import FlatParam
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.meta_init import check_no_meta, has_meta, materialize_, materialize_module_, replacement
 from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
+from zeroshard.pretrained import apply_recorded_pretrained
 from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
 from zeroshard.sharded_units import ShardedUnits, Unit
 from zeroshard.units import plan_units
@@ -94,11 +95,8 @@ class ZeroEngine:
             on_finished=self._on_backward_finished,
         )
         module._zeroshard_engine = self
-        if getattr(module, "_zeroshard_pretrained", None) is not None:
-            # load_pretrained() was called on the meta model: each rank now reads only its shards' pieces
-            from zeroshard.pretrained import apply_recorded_pretrained
-
-            apply_recorded_pretrained(self)
+        # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
+        apply_recorded_pretrained(self)
 
     def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
         offload = self.config.offload_optimizer
@@ -370,9 +368,13 @@ class ZeroEngine:
         """
         fps = [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else self.flat_params
         for fp in fps:
+            # into the fp32 master when it is separate (mixed precision), so loading loses nothing to bf16 rounding
+            separate = fp.master is not None and not fp.master_aliases_shard
+            target = fp.master.detach() if separate else fp.shard
             for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
-                read(fp.names[pi], p_off, p_off + n, fp.shard[s_off : s_off + n])
-            fp.load_shard_into_master()
+                read(fp.names[pi], p_off, p_off + n, target[s_off : s_off + n])
+            if separate:
+                fp.load_master_into_shard()
             if self.sharded is not None:
                 fp.is_gathered = False
                 fp.free_full()
