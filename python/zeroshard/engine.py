@@ -96,7 +96,7 @@ class ZeroEngine:
         )
         module._zeroshard_engine = self
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
-        apply_recorded_pretrained(self)
+        self.pretrained_reports = apply_recorded_pretrained(self)
 
     def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
         offload = self.config.offload_optimizer

@@ -6,7 +6,7 @@ Usage (one process per rank, started by ``launch.run_ranks``):
 
 Cases (one process group, one after the other):
     s3_direct: stage 3 (units: encoder layers), ``load_pretrained(model, dir)`` after the engine is built.
-    s3_recorded: stage 3, ``load_pretrained`` on the meta model (records), then ``apply_recorded_pretrained(engine)``.
+    s3_recorded: stage 3, ``load_pretrained`` on the meta model (records); ZeroEngine applies it when it shards.
     s3_recorded_sub: stage 3 over a wrapper holding the MiniLM as ``.model``; recorded on ``.model``.
     s2_direct: stage 2, ``load_pretrained(model, dir)`` after the engine is built.
 Writes ``rank{r}.json``: per case the report's mode, bytes_read, bytes_total, loaded count and the embeddings of
@@ -63,7 +63,7 @@ def main() -> None:
             zeroshard.ZeroConfig(stage=stage, wrap_policy=Layer if stage == 3 else None),
         )
         if "recorded" in case:
-            reports = apply_recorded_pretrained(engine)
+            reports = engine.pretrained_reports  # the engine applied the record right after sharding the model
             assert len(reports) == 1, reports
             report = reports[0]
             assert apply_recorded_pretrained(engine) == [], "the record must be consumed"
