@@ -9,8 +9,10 @@ Then, each timed on every rank and reported per rank:
 * sharded load at the same world size into a fresh engine (each rank reads only its byte ranges);
 * full load: ``torch.load`` of the whole file on every rank, then the engine's loaders.
 
-Peak host memory is ru_maxrss growth over the phase (a high-water mark, so each phase runs in its own process order:
-sharded save and load first, full after). Prints a table and writes JSON with the command, machine and versions.
+Peak host memory is the growth of ru_maxrss over the phase: a high-water mark, so a phase shows only what goes beyond
+the phases before it; it counts file pages mapped by safetensors' memory-mapped reads, and the sharded load also
+allocates the fresh engine's Adam state (2 x its shard). Prints a table and writes JSON with the command, machine and
+versions.
 
     python benchmarks/bench_checkpoint.py [--n_layer 8 --n_embd 512] [--json PATH]
 """
