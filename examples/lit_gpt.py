@@ -45,6 +45,7 @@ class LitGPT(L.LightningModule):
         warmup_steps: int = 20,
         lr_schedule: str = "cosine",
         min_lr_ratio: float = 0.1,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -55,6 +56,19 @@ class LitGPT(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:  # the hook runs again for every fit/validate call
             self.model = GPT(self.config)
+            if self.hparams.init_from:
+                self._load_pretrained(self.hparams.init_from)
+
+    def _load_pretrained(self, path: str) -> None:
+        """Weights from a safetensors file (e.g. ``python -m zeroshard.consolidate`` output of an earlier run).
+
+        Under ZeRO stage 3 the GPT is still on the meta device here: the load is recorded and each rank reads only
+        its shards' slices when the strategy shards the model; otherwise every rank loads it whole.
+        """
+        from zeroshard import load_pretrained
+        from zeroshard.pretrained import SafetensorsSource
+
+        load_pretrained(self.model, SafetensorsSource(path, strip_prefix="model."))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

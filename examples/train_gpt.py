@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 = cores / devices")
     o = p.add_argument_group("output")
     o.add_argument("--summary_json", default=None, help="write the run summary here (rank 0)")
+    o.add_argument("--save_ckpt", default=None, help="trainer.save_checkpoint here at the end (zeroshard: a directory)")
+    o.add_argument(
+        "--init_from",
+        default=None,
+        help="start from these weights (safetensors, e.g. from `python -m zeroshard.consolidate CKPT OUT`)",
+    )
     o.add_argument("--sample_tokens", type=int, default=200, help="bytes to generate after training; 0 = none")
     o.add_argument("--prompt", default="def ")
     o.add_argument("--log_dir", default=None, help="CSV logs here; default: no logger, nothing written to cwd")
@@ -153,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule,
+        init_from=args.init_from,
     )
     stats = TrainStats()
     trainer = L.Trainer(
@@ -174,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
     wall_s = time.perf_counter() - t0
+    if args.save_ckpt:
+        trainer.save_checkpoint(args.save_ckpt)
     # ZeRO stage 3 keeps only shards: gather the whole model for generation (a collective, so every rank enters)
     with full_parameters(module):
         sample = (

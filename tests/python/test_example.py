@@ -39,3 +39,26 @@ def test_train_gpt_smoke(tmp_path, extra):
     assert out["last_train_loss"] < out["first_train_loss"]
     assert out["val_losses"], "validation did not run"
     assert "tokens/s" in proc.stdout and "sample" in proc.stdout
+
+
+def test_fine_tune_from_a_consolidated_checkpoint(tmp_path):
+    """train -> sharded checkpoint -> `python -m zeroshard.consolidate` -> `--init_from` at stage 3: the new run starts
+    from the trained weights (each rank reading its shards' slices), so its first loss is the old run's last."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    tiny = "--n_layer 1 --n_embd 64 --n_head 2 --block_size 32 --batch_size 8 --sample_tokens 0".split()
+    script = str(REPO / "examples" / "train_gpt.py")
+
+    def train(*extra: str) -> dict:
+        summary = tmp_path / f"summary{len(list(tmp_path.glob('summary*')))}.json"
+        cmd = [sys.executable, script, *tiny, "--summary_json", str(summary), *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(summary.read_text())
+
+    first = train("--max_steps", "30", "--save_ckpt", str(tmp_path / "ckpt"))
+    cmd = [sys.executable, "-m", "zeroshard.consolidate", str(tmp_path / "ckpt"), str(tmp_path / "weights")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tuned = train("--max_steps", "2", "--stage", "3", "--init_from", str(tmp_path / "weights" / "model.safetensors"))
+    assert first["first_train_loss"] - first["last_train_loss"] > 0.5, first["loss_curve"]
+    assert tuned["first_train_loss"] < first["first_train_loss"] - 0.4, (tuned["loss_curve"], first["loss_curve"])
