@@ -7,7 +7,8 @@ Then, each timed on every rank and reported per rank:
 * full save: ``ZeroEngine.full_state_dict()`` + ``optimizer_state_dict()`` (gathered to rank 0's CPU, unit by unit) and
   ``torch.save`` on rank 0 -- what Lightning's strategies write by default;
 * sharded load at the same world size into a fresh engine (each rank reads only its byte ranges);
-* full load: ``torch.load`` of the whole file on every rank, then the engine's loaders.
+* full load: ``torch.load`` of the whole file on every rank, then the engine's loaders;
+* pretrained load: ``load_pretrained`` from the consolidated safetensors file, with the bytes each rank read.
 
 Peak host memory is the growth of ru_maxrss over the phase: a high-water mark, so a phase shows only what goes beyond
 the phases before it; it counts file pages mapped by safetensors' memory-mapped reads, and the sharded load also
@@ -98,6 +99,15 @@ def run_rank(args: argparse.Namespace) -> None:
         fresh.load_optimizer_state_dict(state["optimizer"])
 
     timed("full load", full_load)
+    # rank-relevant loading of pretrained weights: consolidate to safetensors, then each rank reads its slices
+    from zeroshard.consolidate import consolidate
+    from zeroshard.pretrained import load_pretrained
+
+    if rank == 0:
+        consolidate(out / "sharded", out / "weights")
+    dist.barrier()
+    report = timed("pretrained load", lambda: load_pretrained(fresh.module, out / "weights" / "model.safetensors"))
+    rows["pretrained load"].update(bytes_read=report.bytes_read, bytes_total=report.bytes_total)
     sizes = {
         "sharded": sum(f.stat().st_size for f in (out / "sharded").iterdir()),
         "full": (out / "full.pt").stat().st_size,
@@ -146,14 +156,23 @@ def main() -> int:
     print(
         f"bytes on disk: sharded {data['bytes']['sharded'] / MIB:.1f} MiB, full {data['bytes']['full'] / MIB:.1f} MiB"
     )
-    print(f"| {'phase':<13} | {'s rank0':>8} | {'s rank1':>8} | {'peak +MiB rank0':>15} | {'peak +MiB rank1':>15} |")
-    print(f"|{'-' * 15}|{'-' * 10}|{'-' * 10}|{'-' * 17}|{'-' * 17}|")
+    print(f"| {'phase':<15} | {'s rank0':>8} | {'s rank1':>8} | {'peak +MiB rank0':>15} | {'peak +MiB rank1':>15} |")
+    print(f"|{'-' * 17}|{'-' * 10}|{'-' * 10}|{'-' * 17}|{'-' * 17}|")
     for phase in data["ranks"][0]:
         r0, r1 = data["ranks"][0][phase], data["ranks"][1][phase]
         print(
-            f"| {phase:<13} | {r0['seconds']:>8.3f} | {r1['seconds']:>8.3f} | {r0['peak_growth_mib']:>15.1f} "
+            f"| {phase:<15} | {r0['seconds']:>8.3f} | {r1['seconds']:>8.3f} | {r0['peak_growth_mib']:>15.1f} "
             f"| {r1['peak_growth_mib']:>15.1f} |"
         )
+    pre = [r["pretrained load"] for r in data["ranks"]]
+    print(
+        "load_pretrained bytes read per rank: "
+        + ", ".join(
+            f"rank {i}: {r['bytes_read'] / MIB:.1f} MiB ({r['bytes_read'] / r['bytes_total']:.3f})"
+            for i, r in enumerate(pre)
+        )
+        + f" of {pre[0]['bytes_total'] / MIB:.1f} MiB"
+    )
     import torch
 
     record = {

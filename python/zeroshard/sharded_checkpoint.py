@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
                                groups and scalar state, and the size and SHA-256 of every file
     rank00000.safetensors ...  one per saving rank: its parameter shard, fp32 master shard and per-element optimizer
                                state shards for every flat parameter (``flat.{i}.param``, ``flat.{i}.master``,
-                               ``flat.{i}.optim.{key}``); rank 0 adds buffers and unsharded parameters
+                               ``flat.{i}.optim.{key}``) and its torch (and CUDA) RNG state (``rng.*``); rank 0 adds
+                               buffers and unsharded parameters
     trainer.pt                 Lightning's non-model state (loops, schedulers, RNG, precision), ``torch.save``
 
 No rank gathers anything to save. A save goes to ``<path>.partial`` and is renamed to ``<path>`` only when every rank
@@ -91,6 +92,10 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
                 gi for gi, g in enumerate(optimizer.param_groups) if any(p is fp.master for p in g["params"])
             )
         layouts.append(entry)
+    # this rank's random-number generators, restored when the same rank count loads the checkpoint
+    tensors["rng.torch"] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     if rank == 0:
         for name, b in engine.module.named_buffers():
             tensors[f"buffer.{name}"] = b.detach().cpu()
@@ -248,4 +253,9 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
         b.copy_(saved.read_whole(f"buffer.{name}"))
     for name, p in engine.unsharded_parameters():
         p.data.copy_(saved.read_whole(f"param.{name}"))
+    if index["world_size"] == engine.world_size:  # same ranks: each continues its own random stream
+        own = safe_open(str(path / _rank_file(engine.rank)), framework="pt")
+        torch.set_rng_state(own.get_tensor("rng.torch"))
+        if "rng.cuda" in own.keys() and torch.cuda.is_available():
+            torch.cuda.set_rng_state(own.get_tensor("rng.cuda"))
     return torch.load(path / TRAINER_STATE, weights_only=False)
