@@ -167,7 +167,9 @@ class ZeroEngine:
             left = [sum(1 for _ in plan.modules) for plan in plans]
             for m in self.module.modules():
                 materialize_([m], device, param_init_fn=self.config.param_init_fn, root=self.module)
-                i = unit_of[id(m)]
+                i = unit_of.get(id(m))
+                if i is None:  # a wrapped module left with no parameters of its own (e.g. all tied to the root)
+                    continue
                 left[i] -= 1
                 if left[i] == 0:
                     build(i)
