@@ -250,12 +250,7 @@ class ZeroEngine:
             for i, unit in enumerate(self.sharded.units):
                 if unit.persistent:
                     self.sharded.reshard(i, force=True)  # gathered again, with the new values, at its next use
-        if self.sharded is None and self.flat_params:
-            self.collectives.all_gather(
-                [fp.shard for fp in self.flat_params],
-                [fp.full for fp in self.flat_params],
-                self.config.allgather_bucket_size,
-            ).wait()
+        self._gather_full_params()
 
     # -- global gradient norm -----------------------------------------------------------------------------------------
 
@@ -368,8 +363,7 @@ class ZeroEngine:
         (the parameter keeps its current values). Stages 1-2 then all-gather the full parameters; stage 3 gathers
         them on use.
         """
-        fps = [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else self.flat_params
-        for fp in fps:
+        for fp in self.all_flat_params:
             # into the fp32 master when it is separate (mixed precision), so loading loses nothing to bf16 rounding
             separate = fp.master is not None and not fp.master_aliases_shard
             target = fp.master.detach() if separate else fp.shard
@@ -380,6 +374,15 @@ class ZeroEngine:
             if self.sharded is not None:
                 fp.is_gathered = False
                 fp.free_full()
+        self._gather_full_params()
+
+    @property
+    def all_flat_params(self) -> list[FlatParam]:
+        """Every flat parameter, frozen ones included, in a fixed order (units at stage 3, buckets at stages 1-2)."""
+        return [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else list(self.flat_params)
+
+    def _gather_full_params(self) -> None:
+        """Stages 1-2: every rank's shards into every full buffer (bucketed all-gather); stage 3 gathers on use."""
         if self.sharded is None and self.flat_params:
             self.collectives.all_gather(
                 [fp.shard for fp in self.flat_params],
@@ -389,8 +392,7 @@ class ZeroEngine:
 
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Parameters no flat parameter holds (frozen or optimizer-less ones at stages 1-2): whole on every rank."""
-        fps = [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else self.flat_params
-        held = {id(p) for fp in fps for p in fp.params}
+        held = {id(p) for fp in self.all_flat_params for p in fp.params}
         return [(n, p) for n, p in self.module.named_parameters() if id(p) not in held]
 
     # -- helpers ------------------------------------------------------------------------------------------------------

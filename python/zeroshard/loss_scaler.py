@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.engine import _comm_device
+
 
 class ShardedLossScaler:
     """Dynamic loss scale for fp16 training with sharded gradients.
@@ -66,9 +68,7 @@ class ShardedLossScaler:
     def unscale_and_check(self, grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
         """Divides the gradient shards by the scale in place; returns True if any rank saw an inf or NaN
         (collective)."""
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _comm_device(group) if dist.is_initialized() else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))

@@ -40,11 +40,6 @@ def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
-def _all_flat_params(engine) -> list:
-    """Every flat parameter, frozen ones included, in a fixed order (units at stage 3, buckets at stages 1-2)."""
-    return [fp for u in engine.sharded.units for fp in u.flat_params] if engine.sharded else list(engine.flat_params)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -70,7 +65,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
     tensors: dict[str, torch.Tensor] = {}
     layouts, scalar_state = [], {}
     optimizer = engine.optimizer
-    for i, fp in enumerate(_all_flat_params(engine)):
+    for i, fp in enumerate(engine.all_flat_params):
         tensors[f"flat.{i}.param"] = fp.shard.detach().cpu()
         entry = {
             "names": fp.names,
@@ -217,7 +212,8 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     index = verify(path)
     saved = _SavedShards(path, index)
-    engine.load_shards_from(lambda name, a, b, out: saved.read("param", name, a, b, out))
+    # the fp32 master where one was saved (else the parameter), into the master or, when it aliases it, the shard
+    engine.load_shards_from(lambda name, a, b, out: saved.read("master", name, a, b, out))
 
     optimizer = engine.optimizer
     for group, saved_group in zip(optimizer.param_groups, index["optimizer"]["param_groups"]):
@@ -226,9 +222,6 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
     optimizer.state.clear()
     scalar_state = index["optimizer"]["scalar_state"]
     for fp in engine.flat_params:
-        master = fp.master.detach()
-        for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
-            saved.read("master", fp.names[pi], p_off, p_off + n, master[s_off : s_off + n])
         first = fp.names[0]
         i, _ = saved.where.get(first, (None, 0))
         if i is None:
@@ -236,7 +229,7 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
         keys = [k.split(".optim.", 1)[1] for k in saved._file(0).keys() if k.startswith(f"flat.{i}.optim.")]
         state: dict[str, Any] = {}
         for key in keys:
-            t = torch.zeros(fp.layout.shard_numel, dtype=torch.float32, device=master.device)
+            t = torch.zeros(fp.layout.shard_numel, dtype=torch.float32, device=fp.master.device)
             for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
                 saved.read(f"optim.{key}", fp.names[pi], p_off, p_off + n, t[s_off : s_off + n])
             state[key] = t
@@ -244,11 +237,6 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
             state[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
         if state:
             optimizer.state[fp.master] = state
-        fp.load_master_into_shard()
-    if engine.sharded is None and engine.flat_params:
-        engine.collectives.all_gather(
-            [fp.shard for fp in engine.flat_params], [fp.full for fp in engine.flat_params], 1 << 62
-        ).wait()
     for name, b in engine.module.named_buffers():
         b.copy_(saved.read_whole(f"buffer.{name}"))
     for name, p in engine.unsharded_parameters():
