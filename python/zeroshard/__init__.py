@@ -2,7 +2,8 @@
 
 Public API:
     ZeroStrategy: the Lightning strategy (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
-        ``zeroshard_stage_2_offload``, ``zeroshard_stage_3``).
+        ``zeroshard_stage_2_offload``, ``zeroshard_stage_3``, ``zeroshard_stage_3_offload``,
+        ``zeroshard_stage_3_offload_params``).
     gathered_parameters: a context manager giving whole parameters at stage 3 (generation, inspection).
     init_meta_context: build a model on the meta device (nothing allocated until the strategy shards it).
     load_pretrained: load a safetensors checkpoint, each rank reading only the slices its shards need.

@@ -17,9 +17,16 @@ class ZeroConfig:
         stage: ZeRO stage (Rajbhandari et al. 2020, "ZeRO", section 5). 1 shards the fp32 master weights and optimizer
             state; 2 also shards gradients (reduce-scattered in buckets during backward); 3 also shards the
             parameters, all-gathered per unit on use and freed after.
-        offload_optimizer: keep master weights and optimizer state in host memory and step them with
-            :class:`zeroshard.CPUAdam` (ZeRO-Offload, Ren et al. 2021). Adam/AdamW are converted; other torch optimizers
-            run on the host copies as they are.
+        offload_optimizer: keep master weights and optimizer state in host memory and step them with the fused CPU
+            Adam (ZeRO-Offload, Ren et al. 2021), pipelined with the copies (:mod:`zeroshard.offload`): gradient shards
+            go device-to-host as each bucket's reduce-scatter finishes, and the step runs in chunks while updated
+            compute-dtype weights go host-to-device. Adam/AdamW are converted; other torch optimizers run unpipelined
+            on the host copies as they are.
+        offload_params: stage 3 with ``offload_optimizer``: the parameter shards live in pinned host memory (compute
+            dtype) and are copied to the device just before their all-gather, prefetched with it (ZeRO-Infinity's
+            parameter offload, Rajbhandari et al. 2021, section 5). The optimizer step writes them in place.
+        offload_chunk_size: elements per chunk of the pipelined host step (each chunk's upload buffer holds this
+            many compute-dtype elements; two are allocated).
         reduce_bucket_size: elements per flat parameter / gradient bucket (stages 1-2). Each bucket is one
             reduce-scatter (stage 2) or all-reduce (stage 1). Default 25M elements, like DeepSpeed's ``5e8`` bytes / 20.
         allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
@@ -45,6 +52,8 @@ class ZeroConfig:
 
     stage: int = 2
     offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_chunk_size: int = 4 * 1024 * 1024
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 25_000_000
     max_inflight_buckets: int = 2
@@ -72,7 +81,7 @@ class ZeroConfig:
                 f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int "
                 "(elements; 0 keeps nothing gathered)."
             )
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "offload_chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
@@ -88,8 +97,19 @@ class ZeroConfig:
         for name in ("prefetch", "check_gather_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
-        if not isinstance(self.offload_optimizer, bool):
-            raise ValueError(f"ZeroStrategy(offload_optimizer={self.offload_optimizer!r}) must be True or False.")
+        for name in ("offload_optimizer", "offload_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"ZeroStrategy(offload_params=True) needs stage=3 (got stage={self.stage}): only stage 3 shards the "
+                "parameters. Use stage=3, or drop offload_params and keep offload_optimizer=True."
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                "ZeroStrategy(offload_params=True) needs offload_optimizer=True: the host step writes the offloaded "
+                "parameter shards in place. Set offload_optimizer=True too."
+            )
         if not isinstance(self.align_bytes, int) or self.align_bytes < 64 or self.align_bytes & (self.align_bytes - 1):
             raise ValueError(
                 f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two >= 64 (one cache line)."

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,8 +38,9 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: keyword only; True = AdamW (Loshchilov & Hutter 2019), False = Adam with L2 penalty.
         bias_correction: keyword only; Adam's bias correction (Kingma & Ba 2015, Alg. 1). torch always applies it.
 
-    Gradients: ``p.grad`` as fp32 (torch requires ``.grad`` to share the parameter's dtype). To feed bf16 / fp16
-    gradients to fp32 master weights without an upcast pass, call ``zeroshard.ops.adam_step`` directly.
+    Gradients: ``p.grad`` (fp32: torch requires ``.grad`` to share the parameter's dtype), or bf16 / fp16 / fp32
+    gradients passed to :meth:`step` as ``grads={param: grad}``: the kernel upcasts them while loading, with no
+    separate conversion pass (``zeroshard.ops.adam_step``).
 
     State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (fp32, like the
     parameter): the same keys and layout as ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into either
@@ -82,11 +83,15 @@ class CPUAdam(torch.optim.Optimizer):
             group.setdefault("bias_correction", True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step over every parameter that has a ``.grad``.
+    def step(
+        self, closure: Callable[[], float] | None = None, *, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> float | None:  # type: ignore[override]
+        """Perform one optimization step over every parameter that has a gradient.
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss (run with grad enabled).
+            grads: optional ``{param: gradient}``: CPU, contiguous, the parameter's number of elements, float32,
+                bfloat16 or float16. Used instead of ``param.grad`` for those parameters.
 
         Returns:
             The closure's loss, or None.
@@ -104,12 +109,14 @@ class CPUAdam(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             _check_group(gi, group)
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = grads.get(p) if grads is not None else None
+                g = p.grad if g is None else g
+                if g is None:
                     continue
-                _check_param(gi, pi, p, self.state.get(p))
-                work.append((group, p))
+                _check_param(gi, pi, p, g, self.state.get(p))
+                work.append((group, p, g))
 
-        for group, p in work:
+        for group, p, g in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=_step_dtype())
@@ -119,7 +126,7 @@ class CPUAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             _C.adam_step(
                 p.detach(),
-                p.grad.detach(),
+                g.detach(),
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 int(state["step"].item()),
@@ -174,12 +181,11 @@ def _check_tensor(what: str, t: torch.Tensor, fix_device: str) -> None:
         raise ValueError(f"{what} is not contiguous (strides {t.stride()}); make it contiguous (no copy is made)")
 
 
-def _check_param(gi: int, pi: int, p: torch.Tensor, state: dict[str, Any] | None) -> None:
+def _check_param(gi: int, pi: int, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any] | None) -> None:
     name = f"CPUAdam param {pi} of group {gi} (shape {tuple(p.shape)})"
     _check_tensor(name, p, "move the model to the CPU, or use a GPU optimizer")
     if p.dtype != torch.float32:
         raise ValueError(f"{name} has dtype {p.dtype}; CPUAdam needs float32 (master) parameters: call .float()")
-    g = p.grad
     _check_tensor(f"the gradient of {name}", g, "gradients must live with their CPU parameter")
     if g.dtype not in _GRAD_DTYPES:
         raise ValueError(f"the gradient of {name} has dtype {g.dtype}; supported: float32, bfloat16, float16")

@@ -14,6 +14,7 @@ all-gather of the flat buffers, which the module's parameters view.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.meta_init import check_no_meta, has_meta, materialize_, materialize_module_, replacement
+from zeroshard.offload import OffloadedAdam, OptimizerOffload, check_host_budget, host_bytes_needed, threads_per_rank
 from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
 from zeroshard.pretrained import apply_recorded_pretrained
 from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
@@ -46,14 +48,19 @@ class ZeroEngine:
         process_group: the data-parallel group (default: the world group). Must be initialised.
         compute_dtype: dtype of the parameters forward and backward run with (``torch.bfloat16`` for bf16-mixed);
             default: the parameters' own. Master weights and optimizer state stay fp32.
+        local_world_size: ranks on this host (default ``LOCAL_WORLD_SIZE`` from the environment, else 1). With
+            offload, each rank steps with ``cores / local_world_size`` threads and the host-memory check counts every
+            local rank.
 
     Attributes:
         optimizer: the optimizer to step: ``optimizer`` itself, rewired onto master shards, or its
-            :class:`~zeroshard.cpu_adam.CPUAdam` replacement when offloading.
+            :class:`~zeroshard.offload.OffloadedAdam` replacement when offloading Adam/AdamW.
+        offload: the :class:`~zeroshard.offload.OptimizerOffload` (``None`` without ``offload_optimizer``).
 
     Raises:
         RuntimeError: if torch.distributed is not initialised, or the optimizer already holds state.
-        ValueError: if the optimizer holds parameters that are not in ``module``.
+        ValueError: if the optimizer holds parameters that are not in ``module``, or (offload) if the host memory the
+            offload needs on this host exceeds what is available; raised before any shard is allocated.
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class ZeroEngine:
         config: ZeroConfig,
         process_group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -77,6 +85,15 @@ class ZeroEngine:
         self.collectives = _C.BucketedCollectives(self.process_group)
         self.rank = self.collectives.rank
         self.world_size = self.collectives.world_size
+        if local_world_size is None:
+            local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.local_world_size = local_world_size
+        self.offload: OptimizerOffload | None = None
+        self.cpu_threads: int | None = None
+        if config.offload_optimizer:
+            # ranks on one host share its cores: each steps its shard with its own share (no oversubscription)
+            self.cpu_threads = threads_per_rank(local_world_size)
+            torch.set_num_threads(self.cpu_threads)
 
         self.original_groups = original_param_groups(optimizer)
         self.sharded: ShardedUnits | None = None
@@ -85,13 +102,23 @@ class ZeroEngine:
         else:
             self.flat_params, groups = self._build_buckets()
         rewire(optimizer, self.flat_params, groups)
-        self.optimizer = to_cpu_adam(optimizer) if config.offload_optimizer else optimizer
+        self.optimizer = optimizer
+        if config.offload_optimizer:
+            device = self._device()
+            self.offload = OptimizerOffload(
+                self.flat_params, device=device, pin=device.type == "cuda", chunk_elems=config.offload_chunk_size
+            )
+            flat_of = {id(fp.master): fp for fp in self.flat_params}
+            self.optimizer = to_cpu_adam(optimizer, OffloadedAdam, offload=self.offload, flat_of=flat_of)
+        # Adam/AdamW step through the offload pipeline; any other optimizer steps the host masters as it is
+        self.pipelined = isinstance(self.optimizer, OffloadedAdam)
         self.reducer = GradReducer(
             self.flat_params,
             self.collectives,
             stage=config.stage,
             max_inflight=config.max_inflight_buckets,
             on_launch=self.sharded.on_reduction_launched if self.sharded else None,
+            on_reduced=self.offload.gradient_reduced if self.offload else None,
             on_finished=self._on_backward_finished,
         )
         module._zeroshard_engine = self
@@ -109,6 +136,8 @@ class ZeroEngine:
             align_elems=self.config.align_elems(plan.params[0].element_size()),
             master_device=torch.device("cpu") if offload else device,
             pin_memory=offload and device.type == "cuda",
+            offload=offload,
+            host_shard=self.config.offload_params,
             keep_full=keep_full,
             trainable=trainable,
             compute_dtype=self.compute_dtype,
@@ -121,6 +150,7 @@ class ZeroEngine:
             materialize_module_(self.module, self._device(), param_init_fn=self.config.param_init_fn)
             self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
         plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size)
+        self._check_offload_budget([(plan.params, True) for plan in plans])
         if skipped:
             warnings.warn(
                 f"{len(skipped)} trainable parameters are in no optimizer param group and stay unsharded with local "
@@ -145,6 +175,10 @@ class ZeroEngine:
         no more than the root unit and one other unit are whole at a time.
         """
         plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
+        self._check_offload_budget(
+            [(b.params, True) for plan in plans for b in plan.buckets]
+            + [(plan.frozen.params, False) for plan in plans if plan.frozen]
+        )
         device = self._device()
         built: dict[int, Unit] = {}
 
@@ -192,6 +226,23 @@ class ZeroEngine:
         self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
+    def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool]]) -> None:
+        """Offload: fails before anything is allocated if the host buffers of every local rank do not fit."""
+        if not self.config.offload_optimizer:
+            return
+        world = self.world_size
+        shards = [(-(-sum(p.numel() for p in params) // world), trainable) for params, trainable in flat]
+        dtype = self.compute_dtype or (flat[0][0][0].dtype if flat else torch.float32)
+        nbytes = host_bytes_needed(
+            shards,
+            grad_bytes=self.reduce_dtype.itemsize,
+            param_bytes=dtype.itemsize,
+            offload_params=self.config.offload_params,
+            chunk_elems=self.config.offload_chunk_size,
+        )
+        check_host_budget(nbytes, self.local_world_size, f"zeroshard offload on rank {self.rank}")
+        self.offload_host_bytes = nbytes
+
     def _device(self) -> torch.device:
         """The compute device: NCCL's current CUDA device, else the CPU."""
         return _comm_device(self.process_group)
@@ -228,6 +279,16 @@ class ZeroEngine:
             self.sharded.end_of_step()
         if not synced:
             return
+        if self.offload is not None:
+            if self.sharded is not None:
+                self.sharded.wait_param_copies()  # backward's gathers may still read the host shards the step writes
+            if not self.pipelined:  # another optimizer reads .grad: wait for the copies, fp32 as .grad must be
+                self.offload.wait_for_gradients()
+                for fp in self.flat_params:
+                    g = self.offload.host_grads[id(fp)]
+                    fp.master.grad = g if g.dtype == torch.float32 else g.float()
+                self.offload.gradients_consumed()
+            return  # OffloadedAdam waits for each gradient copy in its step, chunk by chunk
         for fp in self.flat_params:
             if fp.master.device == fp.grad_shard.device:
                 fp.master.grad = fp.grad_shard
@@ -244,8 +305,9 @@ class ZeroEngine:
     def after_step(self) -> None:
         """After ``optimizer.step()``: writes updated master shards into the shards; stages 1-2 all-gather them."""
         self.reducer.consume()
-        for fp in self.flat_params:
-            fp.load_master_into_shard()
+        if not self.pipelined:  # the offload pipeline already wrote the updated shards
+            for fp in self.flat_params:
+                fp.load_master_into_shard()
         if self.sharded is not None:
             for i, unit in enumerate(self.sharded.units):
                 if unit.persistent:
@@ -257,7 +319,7 @@ class ZeroEngine:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips master gradients by their global norm across all shards; returns the norm before clipping."""
-        return clip_grad_norm_([fp.master for fp in self.flat_params], max_norm, norm_type, self.process_group)
+        return clip_grads_(master_gradients(self.optimizer), max_norm, norm_type, self.process_group)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
@@ -424,9 +486,26 @@ class ZeroEngine:
         return out
 
 
+def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
+    """This rank's gradient shards for ``optimizer``'s parameters: the host gradient shards of an
+    :class:`~zeroshard.offload.OffloadedAdam` (waiting for their copies), else each parameter's ``.grad``."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
+    if isinstance(optimizer, OffloadedAdam):
+        return optimizer.gradients()
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     shards: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clips the ``.grad`` of ``shards`` (see :func:`clip_grads_`)."""
+    return clip_grads_([s.grad for s in shards if s.grad is not None], max_norm, norm_type, group)
+
+
+@torch.no_grad()
+def clip_grads_(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients sharded across ``group``.
 
@@ -435,7 +514,7 @@ def clip_grad_norm_(
     ``min(1, max_norm / (norm + 1e-6))``, as torch does.
 
     Args:
-        shards: tensors whose ``.grad`` are this rank's gradient shards (any device; ``None`` grads are skipped).
+        grads: this rank's gradient shards (any device and floating dtype), scaled in place.
         max_norm: the largest allowed global norm.
         norm_type: 2.0 or ``inf``.
 
@@ -445,7 +524,6 @@ def clip_grad_norm_(
     Raises:
         ValueError: for another ``norm_type``.
     """
-    grads = [s.grad for s in shards if s.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     backend_device = _comm_device(group)
     if norm_type == 2.0:

@@ -28,6 +28,11 @@ class FlatParam:
         align_elems: alignment of every parameter offset and of the shard size, in elements.
         master_device: where the fp32 master shard lives (the parameters' device, or ``cpu`` for offload).
         pin_memory: allocate host-side shards in page-locked memory (CUDA runs with offload).
+        offload: optimizer offload: the master is an exact-size host buffer of its own (``_C.empty_host``), never an
+            alias of :attr:`shard`, so CPU-only runs take the same upload path as CUDA runs; the gradient shard is
+            kept in ``reduce_dtype`` (it is copied to the host as it is) and released after each copy.
+        host_shard: parameter offload (stage 3): :attr:`shard` lives in host memory (pinned with ``pin_memory``) in
+            the compute dtype; it is copied to the device just before each all-gather.
         keep_full: keep the full buffer allocated (stages 1-2); False frees it after construction (stage 3).
         trainable: False for frozen parameters: no master shard, no gradient buffers.
         compute_dtype: dtype of :attr:`full` (the parameters forward and backward see), e.g. ``torch.bfloat16``;
@@ -39,12 +44,12 @@ class FlatParam:
         full: 1-D tensor, ``layout.padded_numel`` elements, the parameters' dtype and device; parameters view it.
             With ``keep_full=False`` (stage 3) its memory exists only between :meth:`alloc_full` and :meth:`free_full`.
         shard: this rank's ``layout.shard_numel`` elements: a view of :attr:`full` (stages 1-2) or a tensor of its own
-            (stage 3), the source of every all-gather.
+            (stage 3; in host memory with ``host_shard``), the source of every all-gather.
         master: ``nn.Parameter`` (``None`` if not trainable), fp32, ``layout.shard_numel`` elements, on
             ``master_device``. Aliases :attr:`shard` when the parameters are fp32 and on ``master_device`` (no extra
             memory, as in FSDP2's sharded parameter).
-        grad_shard: fp32 gradient shard (``layout.shard_numel``), filled by the reducer after each synchronised
-            backward.
+        grad_shard: gradient shard (``layout.shard_numel``; fp32, or ``reduce_dtype`` with ``offload``), filled by the
+            reducer after each synchronised backward.
         full_grad: full-size gradient accumulation buffer (allocated on first use, freed after its reduce-scatter at
             stage 2, kept at stage 1).
     """
@@ -59,6 +64,8 @@ class FlatParam:
         align_elems: int,
         master_device: torch.device,
         pin_memory: bool = False,
+        offload: bool = False,
+        host_shard: bool = False,
         keep_full: bool = True,
         trainable: bool = True,
         compute_dtype: torch.dtype | None = None,
@@ -82,6 +89,9 @@ class FlatParam:
         source_dtype = params[0].dtype
         self.dtype = compute_dtype or source_dtype
         self.grad_dtype = reduce_dtype or self.dtype
+        self.grad_shard_dtype = self.grad_dtype if offload else torch.float32
+        self.offload = offload
+        self.host_shard = host_shard
         self.device = params[0].device
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
@@ -92,19 +102,28 @@ class FlatParam:
                 p.data = view
             # Stage 3 keeps only the shard between uses: a tensor of its own, while `full` keeps its storage object
             # (the parameters' views point into it) but gives its memory back until the next all-gather.
-            self.shard = self.full[begin:end] if keep_full else self.full[begin:end].clone()
+            if keep_full:
+                self.shard = self.full[begin:end]
+            elif host_shard:
+                self.shard = _C.empty_host(end - begin, self.dtype, pin_memory)
+                self.shard.copy_(self.full[begin:end])
+            else:
+                self.shard = self.full[begin:end].clone()
         self.is_gathered = True
 
         self.master: nn.Parameter | None = None
         self.master_aliases_shard = False
         if trainable:
             self.master_device = torch.device(master_device)
-            aliases = self.dtype == torch.float32 and self.device == self.master_device
+            aliases = self.dtype == torch.float32 and self.device == self.master_device and not offload
             if aliases:
                 master = self.shard
             else:
                 # from the original (fp32) values, not from the compute-dtype copy: the master keeps full precision
-                master = torch.empty(end - begin, dtype=torch.float32, device=self.master_device, pin_memory=pin_memory)
+                if offload:
+                    master = _C.empty_host(end - begin, torch.float32, pin_memory)
+                else:
+                    master = torch.empty(end - begin, dtype=torch.float32, device=self.master_device)
                 master.copy_(source[begin:end])
             self.master_aliases_shard = aliases
             self.master = nn.Parameter(master, requires_grad=True)
@@ -142,10 +161,14 @@ class FlatParam:
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        """fp32 gradient shard, allocated (zeros) at the first reduction, so materialising a model costs shards only."""
+        """Gradient shard, allocated (zeros) at the first reduction, so materialising a model costs shards only."""
         if self._grad_shard is None:
-            self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+            self._grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_shard_dtype, device=self.device)
         return self._grad_shard
+
+    def release_grad_shard(self) -> None:
+        """Drops the gradient shard once its copy to the host is enqueued (the copy queue keeps it alive until done)."""
+        self._grad_shard = None
 
     def zero_grad_shard(self) -> None:
         if self._grad_shard is not None:

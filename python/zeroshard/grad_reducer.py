@@ -37,6 +37,8 @@ class GradReducer:
         stage: 1 (all-reduce, full gradients kept) or 2-3 (reduce-scatter, full buffers freed after reduction).
         max_inflight: reductions in flight before the oldest is waited on.
         on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
+        on_reduced: called with each flat parameter once its reduced gradient shard is complete (optimizer offload
+            copies it to the host then, while backward goes on).
         on_finished: called once per backward when it is complete, with True if gradients were reduced (False for
             an accumulation micro-batch).
     """
@@ -49,6 +51,7 @@ class GradReducer:
         stage: int,
         max_inflight: int,
         on_launch: Callable[[FlatParam], None] | None = None,
+        on_reduced: Callable[[FlatParam], None] | None = None,
         on_finished: Callable[[bool], None] | None = None,
     ) -> None:
         self.flat_params = flat_params
@@ -56,6 +59,7 @@ class GradReducer:
         self.stage = stage
         self.max_inflight = max_inflight
         self.on_launch = on_launch
+        self.on_reduced = on_reduced
         self.on_finished = on_finished
         self.world_size = collectives.world_size
         self.require_grad_sync = True
@@ -136,6 +140,8 @@ class GradReducer:
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:
             fp.free_full_grad()
+        if self.on_reduced is not None:
+            self.on_reduced(fp)
 
     @torch.no_grad()
     def finish_backward(self) -> None:

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch.optim import Optimizer
 
-from zeroshard.engine import clip_grad_norm_
+from zeroshard.engine import clip_grads_, master_gradients
 from zeroshard.loss_scaler import ShardedLossScaler
 
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -92,7 +92,7 @@ class ZeroPrecision(Precision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        grads = master_gradients(optimizer)
         overflow = self.scaler.unscale_and_check(grads, _group())
         self._after_closure(model, optimizer)
         if not overflow:
@@ -106,7 +106,7 @@ class ZeroPrecision(Precision):
         if group is None:
             super().clip_grad_by_norm(optimizer, clip_val)
             return
-        clip_grad_norm_(list(self.main_params(optimizer)), float(clip_val), 2.0, group)
+        clip_grads_(master_gradients(optimizer), float(clip_val), 2.0, group)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

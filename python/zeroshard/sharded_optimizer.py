@@ -5,9 +5,8 @@ The optimizer object is kept (so LR schedulers built on it in ``configure_optimi
 shard only, which is ZeRO stage 1's saving (Rajbhandari et al. 2020, section 5.1): any torch optimizer works unchanged
 because every per-element state tensor it creates has the master shard's shape.
 
-With ``offload_optimizer=True``, ``torch.optim.Adam``/``AdamW`` are swapped for :class:`zeroshard.cpu_adam.CPUAdam`
-with the
-same hyperparameters (DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host
+With ``offload_optimizer=True``, ``torch.optim.Adam``/``AdamW`` are swapped for
+:class:`zeroshard.offload.OffloadedAdam` (a :class:`zeroshard.cpu_adam.CPUAdam`) with the same hyperparameters (DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host
 copies.
 """
 
@@ -41,13 +40,16 @@ def rewire(optimizer: Optimizer, flat_params: list[FlatParam], group_of_flat: li
         group["params"] = [fp.master for fp, g in zip(flat_params, group_of_flat) if g == gi]
 
 
-def to_cpu_adam(optimizer: Optimizer) -> Optimizer:
-    """Returns a :class:`~zeroshard.cpu_adam.CPUAdam` equivalent to ``optimizer`` if it is Adam or AdamW, else itself.
+def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optimizer:
+    """Returns a :class:`~zeroshard.cpu_adam.CPUAdam` (or subclass ``cls``, built with ``extra`` keyword arguments)
+    equivalent to ``optimizer`` if it is Adam or AdamW, else ``optimizer`` itself.
 
     Param group entries are copied as they are (``initial_lr`` and others that LR schedulers added included), so a
     scheduler can be pointed at the returned optimizer.
     """
     from zeroshard.cpu_adam import CPUAdam
+
+    cls = cls or CPUAdam
 
     if type(optimizer) is torch.optim.AdamW:
         adamw_mode = True
@@ -68,12 +70,13 @@ def to_cpu_adam(optimizer: Optimizer) -> Optimizer:
         )
         return optimizer
     d = optimizer.defaults
-    cpu_adam = CPUAdam(
+    cpu_adam = cls(
         [dict(group) for group in optimizer.param_groups],
         lr=d["lr"],
         betas=d["betas"],
         eps=d["eps"],
         weight_decay=d["weight_decay"],
         adamw_mode=adamw_mode,
+        **extra,
     )
     return cpu_adam

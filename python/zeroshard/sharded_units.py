@@ -36,6 +36,7 @@ class Unit:
         self.is_root = is_root
         self.persistent = persistent  # below the persistence threshold: gathered once, never freed
         self.pending = None  # CollectiveHandle of an all-gather in flight
+        self.staging: list[torch.Tensor] | None = None  # device copies of host shards feeding that all-gather
         self.launched = 0  # trainable flat parameters whose reduction was launched this backward
 
     @property
@@ -82,6 +83,7 @@ class ShardedUnits:
         self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
         self._recording = True
         self.pinned = False  # inside gathered_parameters(): every unit stays whole, hooks do nothing
+        self._param_stream: torch.cuda.Stream | None = None  # parameter offload: host-to-device copies + all-gather
         self._handles = []
         for i, unit in enumerate(units):
             if unit.is_root:
@@ -104,13 +106,37 @@ class ShardedUnits:
                 self._check_same_unit(index)
             for fp in unit.flat_params:
                 fp.alloc_full()
-            unit.pending = self.collectives.all_gather(
-                [fp.shard for fp in unit.flat_params],
-                [fp.full for fp in unit.flat_params],
-                sum(fp.layout.padded_numel for fp in unit.flat_params),
-            )
+            fulls = [fp.full for fp in unit.flat_params]
+            bucket = sum(fp.layout.padded_numel for fp in unit.flat_params)
+            if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
+                unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket)
+            else:
+                unit.pending = self.collectives.all_gather([fp.shard for fp in unit.flat_params], fulls, bucket)
         if wait and unit.pending is not None:
             self._wait(unit)
+
+    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int):
+        """Parameter offload: host shards -> device staging -> all-gather, on a side stream.
+
+        The host-to-device copies and the all-gather run on ``_param_stream`` so a prefetch does not hold up the
+        compute already queued on the current stream; the side stream first waits for that compute, which also
+        orders the reuse of staging memory freed after earlier gathers. Returns the handle and the staging tensors,
+        kept alive until the wait.
+        """
+        if self._param_stream is None:
+            self._param_stream = torch.cuda.Stream(device=fulls[0].device)
+        stream = self._param_stream
+        stream.wait_stream(torch.cuda.current_stream(fulls[0].device))
+        with torch.cuda.stream(stream):
+            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params]
+            handle = self.collectives.all_gather(staging, fulls, bucket)
+        return handle, staging
+
+    def wait_param_copies(self) -> None:
+        """Parameter offload: blocks the host until every host-to-device copy of host shards is done, so the host
+        step may overwrite the shards."""
+        if self._param_stream is not None:
+            self._param_stream.synchronize()
 
     def _wait(self, unit: Unit) -> None:
         handle, unit.pending = unit.pending, None
@@ -122,6 +148,7 @@ class ShardedUnits:
                 "If a rank died or took a different code path, run with ZeroStrategy(check_gather_order=True) to "
                 "name the first unit where ranks differ."
             ) from e
+        unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
         for fp in unit.flat_params:
             fp.is_gathered = True
 

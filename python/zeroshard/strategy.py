@@ -43,8 +43,12 @@ class ZeroStrategy(DDPStrategy):
     Args:
         stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients; 3 also shards
             the parameters, all-gathered per unit on use (Rajbhandari et al. 2020, "ZeRO", section 5).
-        offload_optimizer: master weights and optimizer state in host memory, stepped by the fused
-            :class:`~zeroshard.CPUAdam` (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021).
+        offload_optimizer: master weights and optimizer state in host memory, stepped by the fused CPU Adam in a
+            pipeline with the copies (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021; :mod:`zeroshard.offload`).
+            Each rank then uses ``cores / ranks per host`` CPU threads.
+        offload_params: stage 3 with ``offload_optimizer``: parameter shards live in pinned host memory and are copied
+            in just before their (prefetched) all-gather.
+        offload_chunk_size: elements per chunk of the pipelined host step.
         reduce_bucket_size: elements per gradient bucket (one collective each).
         allgather_bucket_size: elements per all-gather of updated parameters.
         max_inflight_buckets: gradient reductions in flight during backward.
@@ -84,6 +88,8 @@ class ZeroStrategy(DDPStrategy):
         allgather_bucket_size: int = 25_000_000,
         max_inflight_buckets: int = 2,
         *,
+        offload_params: bool = False,
+        offload_chunk_size: int = 4 * 1024 * 1024,
         wrap_policy=None,
         prefetch: bool = True,
         check_gather_order: bool = False,
@@ -105,6 +111,8 @@ class ZeroStrategy(DDPStrategy):
         self.zero_config = ZeroConfig(
             stage=stage,
             offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            offload_chunk_size=offload_chunk_size,
             reduce_bucket_size=reduce_bucket_size,
             allgather_bucket_size=allgather_bucket_size,
             max_inflight_buckets=max_inflight_buckets,
@@ -193,7 +201,11 @@ class ZeroStrategy(DDPStrategy):
                 self.lightning_module, self._activation_checkpointing, offload_to_cpu=self._offload_activations
             )
         engine = ZeroEngine(
-            self.lightning_module, optimizer, self.zero_config, compute_dtype=self.precision_plugin.compute_dtype
+            self.lightning_module,
+            optimizer,
+            self.zero_config,
+            compute_dtype=self.precision_plugin.compute_dtype,
+            local_world_size=self.num_processes,
         )
         if engine.optimizer is not optimizer:
             for config in self.lr_scheduler_configs:
@@ -357,7 +369,8 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Registers the names ``zeroshard_stage_{1,2,3}`` and ``zeroshard_stage_2_offload``."""
+        """Registers ``zeroshard_stage_{1,2,3}``, ``zeroshard_stage_{2,3}_offload`` (optimizer offload) and
+        ``zeroshard_stage_3_offload_params`` (optimizer and parameter offload)."""
         entries = (
             ("zeroshard_stage_1", "ZeRO stage 1: optimizer state sharded", {"stage": 1}),
             ("zeroshard_stage_2", "ZeRO stage 2: optimizer state and gradients sharded", {"stage": 2}),
@@ -367,6 +380,16 @@ class ZeroStrategy(DDPStrategy):
                 {"stage": 2, "offload_optimizer": True},
             ),
             ("zeroshard_stage_3", "ZeRO stage 3: parameters, gradients and optimizer state sharded", {"stage": 3}),
+            (
+                "zeroshard_stage_3_offload",
+                "ZeRO stage 3 with master weights and optimizer state offloaded to the CPU (pipelined fused CPU Adam)",
+                {"stage": 3, "offload_optimizer": True},
+            ),
+            (
+                "zeroshard_stage_3_offload_params",
+                "ZeRO stage 3 with the optimizer and the parameter shards offloaded to (pinned) host memory",
+                {"stage": 3, "offload_optimizer": True, "offload_params": True},
+            ),
         )
         for name, description, params in entries:
             strategy_registry.register(name, cls, description=description, override=True, **params)

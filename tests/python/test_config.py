@@ -24,6 +24,9 @@ from zeroshard import ZeroStrategy
         ({"allgather_bucket_size": 1.5}, r"allgather_bucket_size=1.5"),
         ({"max_inflight_buckets": 0}, r"max_inflight_buckets=0"),
         ({"offload_optimizer": "yes"}, r"offload_optimizer='yes'"),
+        ({"stage": 2, "offload_optimizer": True, "offload_params": True}, r"offload_params=True\) needs stage=3"),
+        ({"stage": 3, "offload_params": True}, r"offload_params=True\) needs offload_optimizer=True"),
+        ({"stage": 3, "offload_optimizer": True, "offload_chunk_size": 0}, r"offload_chunk_size=0"),
         ({"reduce_dtype": torch.int32}, r"reduce_dtype=torch.int32.*floating"),
         ({"state_dict_type": "dcp"}, r"state_dict_type='dcp'.*'full' or 'sharded'"),
         ({"offload_activations": True}, r"offload_activations=True\) needs activation_checkpointing"),
@@ -47,18 +50,21 @@ def test_precision_flag_becomes_zero_precision(precision, dtype):
 
 
 @pytest.mark.parametrize(
-    "name, stage, offload",
+    "name, stage, offload, offload_params",
     [
-        ("zeroshard_stage_1", 1, False),
-        ("zeroshard_stage_2", 2, False),
-        ("zeroshard_stage_2_offload", 2, True),
-        ("zeroshard_stage_3", 3, False),
+        ("zeroshard_stage_1", 1, False, False),
+        ("zeroshard_stage_2", 2, False, False),
+        ("zeroshard_stage_2_offload", 2, True, False),
+        ("zeroshard_stage_3", 3, False, False),
+        ("zeroshard_stage_3_offload", 3, True, False),
+        ("zeroshard_stage_3_offload_params", 3, True, True),
     ],
 )
-def test_registered_names(name, stage, offload):
+def test_registered_names(name, stage, offload, offload_params):
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=name, logger=False)
     assert isinstance(trainer.strategy, ZeroStrategy)
     assert trainer.strategy.zero_config.stage == stage
     assert trainer.strategy.zero_config.offload_optimizer is offload
+    assert trainer.strategy.zero_config.offload_params is offload_params
     assert isinstance(trainer.strategy.precision_plugin, zeroshard.ZeroPrecision)
     assert trainer._accelerator_connector.is_distributed

@@ -78,6 +78,24 @@ def test_offload_and_other_optimizers_match_ddp(tmp_path):
     _assert_same_run(tmp_path, "ddp_sgd", "stage2_sgd", 20)
 
 
+def test_offload_pipeline_at_every_stage_matches_ddp(tmp_path):
+    """The offload pipeline on 2 ranks (chunks of 1000 elements, so every flat parameter spans several): stage 3 with
+    optimizer offload, with parameter offload too, and stage 2 with clipping (which waits for the gradient copies and
+    clips the host shards) equal DDP."""
+    off = {"strategy": "zeroshard", "offload": True, "offload_chunk": 1000}
+    runs = [
+        {"name": "ddp", "strategy": "ddp"},
+        {"name": "stage3_offload", "stage": 3, **off},
+        {"name": "stage3_offload_params", "stage": 3, "offload_params": True, **off},
+        {"name": "ddp_clip", "strategy": "ddp", "clip": 0.05},
+        {"name": "stage2_offload_clip", "stage": 2, "clip": 0.05, **off},
+    ]
+    _run(tmp_path, runs)
+    _assert_same_run(tmp_path, "ddp", "stage3_offload", 20)
+    _assert_same_run(tmp_path, "ddp", "stage3_offload_params", 20)
+    _assert_same_run(tmp_path, "ddp_clip", "stage2_offload_clip", 20)
+
+
 def test_one_bucket_per_parameter_and_one_bucket_for_all(tmp_path):
     """Bucket sizes at both extremes give the same training as DDP."""
     runs = [
@@ -137,8 +155,12 @@ def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
             "reduce_bf16": True,
         }
     )
+    # offload with bf16 gradient shards: the fused kernel reads them as bf16 and writes the bf16 host shards
+    off = {"offload": True, "offload_params": True, "offload_chunk": 1000}
+    runs.append({"name": "stage3_bf16_offload", "strategy": "zeroshard", "stage": 3, "precision": "bf16-mixed", **off})
+    runs[-1]["reduce_bf16"] = True
     _run(tmp_path, runs)
-    for name in ("stage1", "stage2", "stage3", "stage3_bf16_reduce"):
+    for name in ("stage1", "stage2", "stage3", "stage3_bf16_reduce", "stage3_bf16_offload"):
         for rank in range(2):
             ref, got = _losses(tmp_path, "ddp", rank), _losses(tmp_path, name, rank)
             torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
@@ -152,11 +174,12 @@ def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
             torch.testing.assert_close(pb[k].float(), pa[k].float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, stage):
-    """An inf loss on rank 1 only: every rank skips that step, master shards and optimizer state stay bit-identical."""
+@pytest.mark.parametrize("stage, offload", [(2, False), (3, False), (3, True)])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, stage, offload):
+    """An inf loss on rank 1 only: every rank skips that step, master shards and optimizer state stay bit-identical
+    (with offload: the check reads the host gradient shards once their copies are done)."""
     out = tmp_path / "fp16.json"
-    run_ranks(Path(__file__).parent / "scripts" / "fp16_overflow.py", [str(out), str(stage)])
+    run_ranks(Path(__file__).parent / "scripts" / "fp16_overflow.py", [str(out), str(stage)] + ["offload"] * offload)
     result = json.loads(out.read_text())
     assert result["unchanged_on_every_rank"] == [True, True]
     assert result["skipped_steps"] == 1  # only the injected overflow: the scale (256) fits fp16 otherwise

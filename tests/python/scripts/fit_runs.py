@@ -8,7 +8,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 (ckpt path), ``reduce_bucket_size``, ``allgather_bucket_size``,
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
 ``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
-``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``,
+``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``, ``offload_params``,
+``offload_chunk`` (elements per chunk of the offload pipeline),
 ``persist`` (stage 3 units below 1e5 elements stay gathered),
 ``sharded`` (sharded checkpoints). Stage 3 units are Blocks.
 Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
@@ -41,6 +42,8 @@ def make_strategy(run: dict):
         param_persistence_threshold=10**5 if run.get("persist") else 0,
         state_dict_type="sharded" if run.get("sharded") else "full",
         offload_optimizer=run.get("offload", False),
+        offload_params=run.get("offload_params", False),
+        offload_chunk_size=run.get("offload_chunk", 4 * 1024 * 1024),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
     )

@@ -52,12 +52,16 @@ class Snapshot(L.Callback):
 
 def main() -> None:
     out, stage = sys.argv[1], int(sys.argv[2])
+    offload = sys.argv[3:] == ["offload"]  # optimizer offload (and parameter offload at stage 3)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
     snap = Snapshot()
     strategy = zeroshard.ZeroStrategy(
         stage=stage,
         wrap_policy=Block if stage == 3 else None,
+        offload_optimizer=offload,
+        offload_params=offload and stage == 3,
+        offload_chunk_size=1000,
         precision_plugin=ZeroPrecision(
             "16-mixed", device="cpu", scaler=ShardedLossScaler(init_scale=256.0, hysteresis=1)
         ),

@@ -1,0 +1,226 @@
+"""Optimizer (and parameter) offload: the host side of ZeRO-Offload, pipelined with the copies.
+
+Where the data is, per rank, with ``offload_optimizer=True`` (ZeRO-Offload, Ren et al. 2021, section 4):
+
+* device: the compute-dtype parameters (whole at stages 1-2, shards at stage 3) and, during backward only, the
+  gradient buckets and the gradient shard each reduce-scatter produces;
+* host: the fp32 master shard, ``exp_avg`` and ``exp_avg_sq`` and a gradient shard in ``reduce_dtype``, all exact-size
+  buffers from ``_C.empty_host`` (page-locked on CUDA; never the caching host allocator's power-of-two blocks).
+  With ``offload_params=True`` (stage 3) the compute-dtype parameter shard lives on the host too.
+
+One step:
+
+1. backward: as each bucket's reduce-scatter finishes, its gradient shard is copied device-to-host on the
+   ``d2h`` copy queue (its own CUDA stream) and the device copy is released (:meth:`OptimizerOffload.gradient_reduced`);
+2. step: ``_C.HostAdamPipeline`` walks the flat parameters in chunks of ``offload_chunk_size`` elements: it waits
+   only for that flat parameter's gradient copy, runs the fused CPU Adam on the chunk (reading the gradient in its
+   own dtype and writing the compute-dtype weights into one of two pinned upload buffers in the same pass), and
+   enqueues the chunk's host-to-device copy on the ``h2d`` queue while it steps the next chunk. With parameter
+   offload the step writes the host parameter shard directly and nothing is uploaded;
+3. the compute stream waits (on the device, not the host) for the last upload before the next all-gather.
+
+On CPU-only runs the queues are host threads doing ``memcpy``: the chunking, the tickets and the waits are the same,
+so CI tests the pipeline's ordering.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zeroshard import _C
+from zeroshard.cpu_adam import CPUAdam, _check_group
+from zeroshard.flat_param import FlatParam
+
+GIB = 2**30
+
+
+def host_bytes_needed(
+    shard_numels: list[tuple[int, bool]],
+    *,
+    grad_bytes: int,
+    param_bytes: int,
+    offload_params: bool,
+    chunk_elems: int,
+) -> int:
+    """Host bytes one rank's offload allocates: fp32 master + ``exp_avg`` + ``exp_avg_sq`` (12 bytes) and the gradient
+    shard (``grad_bytes``) per trainable shard element, the compute-dtype parameter shard (``param_bytes``) per shard
+    element with parameter offload (frozen ones too), and the two upload buffers (``chunk_elems`` * 4 bytes each).
+
+    Args:
+        shard_numels: ``(shard elements, trainable)`` per flat parameter.
+    """
+    total = 2 * chunk_elems * 4
+    for numel, trainable in shard_numels:
+        if trainable:
+            total += numel * (12 + grad_bytes)
+        if offload_params:
+            total += numel * param_bytes
+    return total
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """CPU threads for one rank's host step: the cores this process may run on, split between the ranks of one host
+    (DeepSpeed leaves each rank at all cores, and ranks on one host then oversubscribe them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size))
+
+
+class OptimizerOffload:
+    """Host gradient buffers, the two copy queues and the pipelined host step of one engine.
+
+    Args:
+        flat_params: the trainable flat parameters whose masters live on the host.
+        device: the compute device (``cuda:N``: CUDA streams; ``cpu``: host copy threads).
+        pin: page-lock the host buffers (CUDA runs).
+        chunk_elems: elements per pipeline chunk.
+
+    Attributes:
+        d2h, h2d: ``_C.CopyQueue`` for gradient shards (device to host) and updated weights (host to device).
+        host_grads: ``{id(flat_param): tensor}``: 1-D host gradient shard, ``layout.shard_numel`` elements, the flat
+            parameter's ``grad_shard_dtype``.
+    """
+
+    def __init__(self, flat_params: list[FlatParam], *, device: torch.device, pin: bool, chunk_elems: int) -> None:
+        self.flat_params = flat_params
+        self.device = device
+        self.d2h = _C.make_copy_queue(device)
+        self.h2d = _C.make_copy_queue(device)
+        self.pipeline = _C.HostAdamPipeline(self.d2h, self.h2d, chunk_elems, pin)
+        self.host_grads = {id(fp): _C.empty_host(fp.layout.shard_numel, fp.grad_shard_dtype, pin) for fp in flat_params}
+        self._tickets: dict[int, int] = {}  # id(flat_param) -> d2h ticket of its gradient in this step
+        self._step_seconds = 0.0
+
+    @torch.no_grad()
+    def gradient_reduced(self, fp: FlatParam) -> None:
+        """GradReducer callback, once a bucket's reduced gradient shard is complete: copy it to the host."""
+        host = self.host_grads.get(id(fp))
+        if host is None:
+            return
+        self.d2h.wait_current_stream()  # the reduce-scatter's result is ordered on the current stream
+        self._tickets[id(fp)] = self.d2h.copy(host, fp.grad_shard)
+        fp.release_grad_shard()  # the queue keeps it alive until copied; the device memory is reused afterwards
+
+    def has_gradient(self, fp: FlatParam) -> bool:
+        return id(fp) in self._tickets
+
+    def wait_for_gradients(self) -> list[torch.Tensor]:
+        """Blocks until every gradient copy of this step is done; returns the host gradient shards that hold one."""
+        self.d2h.synchronize(self.d2h.last_ticket())
+        return [self.host_grads[id(fp)] for fp in self.flat_params if id(fp) in self._tickets]
+
+    def gradients_consumed(self) -> None:
+        self._tickets.clear()
+
+    def segment(self, fp: FlatParam, state: dict[str, Any], group: dict[str, Any]) -> tuple:
+        """One flat parameter's work for ``_C.HostAdamPipeline.step``: where the updated weights go depends on where
+        the parameter shard lives (the host shard itself with parameter offload, else uploaded into the shard)."""
+        param_out = fp.shard if fp.host_shard else None
+        device_param = None if fp.host_shard else fp.shard
+        beta1, beta2 = group["betas"]
+        return (
+            fp.master.detach(),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            self.host_grads[id(fp)],
+            self._tickets[id(fp)],
+            param_out,
+            device_param,
+            int(state["step"].item()),
+            float(group["lr"]),
+            float(beta1),
+            float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["adamw_mode"]),
+            bool(group["bias_correction"]),
+        )
+
+    def copy_stats(self) -> dict[str, dict[str, float]]:
+        """Bytes the copy queues moved and the time the copies took (device time on CUDA) since the last reset."""
+        out = {}
+        for name, queue in (("d2h", self.d2h), ("h2d", self.h2d)):
+            nbytes, seconds = queue.stats()
+            out[name] = {"bytes": int(nbytes), "seconds": float(seconds)}
+        return out
+
+    def reset_copy_stats(self) -> None:
+        self.d2h.reset_stats()
+        self.h2d.reset_stats()
+
+    def synchronize(self) -> None:
+        """Waits for every copy in flight (before the host reads or frees buffers the queues still use)."""
+        self.d2h.synchronize(self.d2h.last_ticket())
+        self.h2d.synchronize(self.h2d.last_ticket())
+
+
+class OffloadedAdam(CPUAdam):
+    """:class:`~zeroshard.CPUAdam` over host master shards, stepped by the offload pipeline.
+
+    The gradients are not read from ``.grad``: each master's gradient is the host gradient shard its flat parameter's
+    copy fills (in ``reduce_dtype``, which may be bf16/fp16: the kernel upcasts while loading). The optimizer state
+    (``step``, ``exp_avg``, ``exp_avg_sq``, fp32, torch's keys) is created when the optimizer is built, so the host
+    memory is taken, and checked, before training starts. ``state_dict()`` loads into ``torch.optim.AdamW`` and back.
+
+    Args:
+        param_groups: groups over the master shards (as ``CPUAdam``).
+        offload: the engine's :class:`OptimizerOffload`.
+        flat_of: ``{id(master): flat_param}``.
+        defaults: ``CPUAdam`` keyword arguments.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        offload: OptimizerOffload,
+        flat_of: dict[int, FlatParam],
+        **defaults: Any,
+    ) -> None:
+        super().__init__(param_groups, **defaults)
+        self.offload = offload
+        self._flat_of = flat_of
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": _C.empty_host(p.numel(), torch.float32, False).zero_(),
+                    "exp_avg_sq": _C.empty_host(p.numel(), torch.float32, False).zero_(),
+                }
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The host gradient shards of this step (waits for their copies): what clipping and loss scaling act on."""
+        return self.offload.wait_for_gradients()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Steps every master whose gradient was reduced in this step, through the offload pipeline."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            _check_group(gi, group)
+            for p in group["params"]:
+                fp = self._flat_of[id(p)]
+                if self.offload.has_gradient(fp):
+                    work.append((fp, p, group))
+        segments = []
+        for fp, p, group in work:
+            state = self.state[p]
+            state["step"] += 1
+            segments.append(self.offload.segment(fp, state, group))
+        if segments:
+            self.offload.pipeline.step(segments, False)
+        self.offload.gradients_consumed()
+        return loss
+
+
+def check_host_budget(nbytes: int, local_world_size: int, what: str) -> None:
+    """Raises ValueError before anything is allocated if ``local_world_size`` ranks of ``nbytes`` each do not fit in
+    the host's available memory (``MemAvailable``)."""
+    _C.check_host_budget(nbytes * local_world_size, f"{what} ({nbytes / GIB:.2f} GiB x {local_world_size} ranks)")
