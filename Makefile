@@ -31,7 +31,7 @@ build: venv
 	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test-cpp: build
-	cd $(BUILD_DIR) && ../../$(VENV)/bin/ctest --output-on-failure -j $(JOBS)
+	cd $(BUILD_DIR) && $(abspath $(VENV))/bin/ctest --output-on-failure -j $(JOBS)
 
 test-python: build
 	$(PY) -m pytest -q tests/python

@@ -92,6 +92,12 @@ def machine() -> dict:
     out = {"hostname": socket.gethostname(), "cpu_model": model, "logical_cpus": os.cpu_count(),
            "host_ram_gib": psutil.virtual_memory().total / GIB, "platform": platform.platform()}  # fmt: skip
     try:
+        import zeroshard
+
+        out |= {"cpu_isa": zeroshard.cpu_isa(), "supported_cpu_isas": zeroshard.supported_cpu_isas()}
+    except ImportError:
+        pass
+    try:
         smi = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=30, check=True,

@@ -1,5 +1,7 @@
 #include "comm/bucketed_collectives.h"
 
+#include "comm/process_group_compat.h"
+
 #include <string>
 #include <utility>
 
@@ -104,7 +106,7 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
     if (e - b == 1) {
       at::Tensor out = fulls[b].view({-1});
       at::Tensor in = shards[b].view({-1});
-      handle.add_work(pg_->all_gather_single(out, in));
+      handle.add_work(compat::all_gather_single(*pg_, out, in));
       continue;
     }
     // Copy-in to this rank's row of the [world, total] staging buffer, gather in place, copy-out each column block.
@@ -120,7 +122,7 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
     at::Tensor own_row = staging.select(0, rank_);
     at::cat_out(own_row, ins, 0);
     at::Tensor flat = staging.view({-1});
-    handle.add_work(pg_->all_gather_single(flat, own_row));
+    handle.add_work(compat::all_gather_single(*pg_, flat, own_row));
     handle.add_finisher([staging, sizes, outs]() { at::split_with_sizes_copy_out(outs, staging, sizes, 1); });
   }
   return handle;
@@ -157,7 +159,7 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
     }
     const bool direct = e - b == 1 && !accumulate && shards[b].scalar_type() == fulls[b].scalar_type();
     at::Tensor out = direct ? shards[b].view({-1}) : at::empty({total}, fulls[b].options());
-    handle.add_work(pg_->reduce_scatter_single(out, in, opts));
+    handle.add_work(compat::reduce_scatter_single(*pg_, out, in, opts));
     if (direct && scale == 1.0) continue;
     Tensors dsts(shards.begin() + b, shards.begin() + e);
     handle.add_finisher([in, out, dsts, scale, accumulate]() {

@@ -9,8 +9,6 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <sstream>
 
 #ifdef ZEROSHARD_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -107,14 +105,16 @@ HostMemoryStats host_memory_stats() {
 }
 
 int64_t host_available_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string line;
-  while (std::getline(meminfo, line)) {
-    if (line.rfind("MemAvailable:", 0) == 0) {
-      std::istringstream fields(line.substr(13));
-      int64_t kib = 0;
-      if (fields >> kib) return kib * 1024;
+  // C stdio rather than iostreams: no locale machinery, nothing that depends on the libstdc++ the process loaded.
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    long long kib = -1;
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+      kib = -1;
     }
+    std::fclose(f);
+    if (kib >= 0) return static_cast<int64_t>(kib) * 1024;
   }
   // Older kernels (< 3.14) have no MemAvailable: free physical pages are a lower bound.
   return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));

@@ -6,8 +6,8 @@ shard only, which is ZeRO stage 1's saving (Rajbhandari et al. 2020, section 5.1
 because every per-element state tensor it creates has the master shard's shape.
 
 With ``offload_optimizer=True``, ``torch.optim.Adam``/``AdamW`` are swapped for
-:class:`zeroshard.offload.OffloadedAdam` (a :class:`zeroshard.cpu_adam.CPUAdam`) with the same hyperparameters (DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host
-copies.
+:class:`zeroshard.offload.OffloadedAdam` (a :class:`zeroshard.cpu_adam.CPUAdam`) with the same hyperparameters
+(DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host copies.
 """
 
 from __future__ import annotations

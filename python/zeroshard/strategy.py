@@ -44,7 +44,8 @@ class ZeroStrategy(DDPStrategy):
         stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients; 3 also shards
             the parameters, all-gathered per unit on use (Rajbhandari et al. 2020, "ZeRO", section 5).
         offload_optimizer: master weights and optimizer state in host memory, stepped by the fused CPU Adam in a
-            pipeline with the copies (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021; :mod:`zeroshard.offload`).
+            pipeline with the copies (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021;
+            :mod:`zeroshard.offload`).
             Each rank then uses ``cores / ranks per host`` CPU threads.
         offload_params: stage 3 with ``offload_optimizer``: parameter shards live in pinned host memory and are copied
             in just before their (prefetched) all-gather.

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
-from zeroshard import CPUAdam, ZeroConfig, ZeroEngine, _C
+from zeroshard import _C, CPUAdam, ZeroConfig, ZeroEngine
 from zeroshard.offload import OffloadedAdam, threads_per_rank
 
 
@@ -117,7 +117,7 @@ def test_host_buffers_are_exact_size_and_counted(group):
         expected += n * fp.shard.element_size()  # parameter shard
         if fp.trainable:
             expected += n * (4 + 4 + 4) + n * engine.offload.host_grads[id(fp)].element_size()
-    assert after["pinned_bytes"] == before["pinned_bytes"] == 0
+    assert after["pinned_bytes"] == before["pinned_bytes"]  # a CPU (gloo) engine pins nothing
     assert after["unpinned_bytes"] - before["unpinned_bytes"] == expected
     assert engine.offload_host_bytes >= expected  # the budget check counted at least what was allocated
     engine.remove_hooks()

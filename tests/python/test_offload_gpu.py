@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zeroshard import ZeroConfig, ZeroEngine, _C
+from zeroshard import _C, ZeroConfig, ZeroEngine
 
 pytestmark = pytest.mark.gpu
 
