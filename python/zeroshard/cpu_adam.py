@@ -99,10 +99,7 @@ class CPUAdam(torch.optim.Optimizer):
         Raises:
             ValueError: see the class docstring; nothing is modified when it is raised.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
 
         # Validate everything before the first write, so a bad parameter leaves the whole optimizer untouched.
         work = []
@@ -119,26 +116,42 @@ class CPUAdam(torch.optim.Optimizer):
         for group, p, g in work:
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=_step_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state.update(self._new_state(p))
             state["step"] += 1
-            beta1, beta2 = group["betas"]
-            _C.adam_step(
-                p.detach(),
-                g.detach(),
-                state["exp_avg"],
-                state["exp_avg_sq"],
-                int(state["step"].item()),
-                float(group["lr"]),
-                float(beta1),
-                float(beta2),
-                float(group["eps"]),
-                float(group["weight_decay"]),
-                bool(group["adamw_mode"]),
-                bool(group["bias_correction"]),
-            )
+            _C.adam_step(p.detach(), g.detach(), state["exp_avg"], state["exp_avg_sq"], *step_hyper(state, group))
         return loss
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fresh state of ``p`` in torch's keys and layout: ``step`` 0-dim, fp32 zero moments shaped like ``p``."""
+        return {
+            "step": torch.tensor(0.0, dtype=_step_dtype()),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
+        }
+
+
+def run_closure(closure: Callable[[], float] | None) -> float | None:
+    """The loss of ``closure`` evaluated with grad enabled (an optimizer step runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def step_hyper(state: dict[str, Any], group: dict[str, Any]) -> tuple:
+    """``(step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction)`` as ``_C.adam_step`` and the
+    offload pipeline take them, from a parameter's state (``step`` already incremented) and its group."""
+    beta1, beta2 = group["betas"]
+    return (
+        int(state["step"].item()),
+        float(group["lr"]),
+        float(beta1),
+        float(beta2),
+        float(group["eps"]),
+        float(group["weight_decay"]),
+        bool(group["adamw_mode"]),
+        bool(group["bias_correction"]),
+    )
 
 
 def _step_dtype() -> torch.dtype:

@@ -289,17 +289,8 @@ class ZeroEngine:
                     fp.master.grad = g if g.dtype == torch.float32 else g.float()
                 self.offload.gradients_consumed()
             return  # OffloadedAdam waits for each gradient copy in its step, chunk by chunk
-        for fp in self.flat_params:
-            if fp.master.device == fp.grad_shard.device:
-                fp.master.grad = fp.grad_shard
-            else:
-                host = fp.master.grad
-                if host is None:
-                    host = torch.empty_like(fp.master, pin_memory=fp.master.is_pinned())
-                host.copy_(fp.grad_shard, non_blocking=True)
-                fp.master.grad = host
-        if any(fp.grad_shard.is_cuda and not fp.master.is_cuda for fp in self.flat_params):
-            torch.cuda.current_stream().synchronize()  # host step reads the copies
+        for fp in self.flat_params:  # without offload the master lives with its gradient shard
+            fp.master.grad = fp.grad_shard
 
     @torch.no_grad()
     def after_step(self) -> None:

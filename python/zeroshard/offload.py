@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from zeroshard import _C
-from zeroshard.cpu_adam import CPUAdam, _check_group
+from zeroshard.cpu_adam import CPUAdam, _check_group, _step_dtype, run_closure, step_hyper
 from zeroshard.flat_param import FlatParam
 
 GIB = 2**30
@@ -92,7 +92,6 @@ class OptimizerOffload:
         self.pipeline = _C.HostAdamPipeline(self.d2h, self.h2d, chunk_elems, pin)
         self.host_grads = {id(fp): _C.empty_host(fp.layout.shard_numel, fp.grad_shard_dtype, pin) for fp in flat_params}
         self._tickets: dict[int, int] = {}  # id(flat_param) -> d2h ticket of its gradient in this step
-        self._step_seconds = 0.0
 
     @torch.no_grad()
     def gradient_reduced(self, fp: FlatParam) -> None:
@@ -120,24 +119,9 @@ class OptimizerOffload:
         the parameter shard lives (the host shard itself with parameter offload, else uploaded into the shard)."""
         param_out = fp.shard if fp.host_shard else None
         device_param = None if fp.host_shard else fp.shard
-        beta1, beta2 = group["betas"]
-        return (
-            fp.master.detach(),
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            self.host_grads[id(fp)],
-            self._tickets[id(fp)],
-            param_out,
-            device_param,
-            int(state["step"].item()),
-            float(group["lr"]),
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            bool(group["adamw_mode"]),
-            bool(group["bias_correction"]),
-        )
+        grad = self.host_grads[id(fp)]
+        return (fp.master.detach(), state["exp_avg"], state["exp_avg_sq"], grad, self._tickets[id(fp)], param_out,
+                device_param, *step_hyper(state, group))  # fmt: skip
 
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Bytes the copy queues moved and the time the copies took (device time on CUDA) since the last reset."""
@@ -150,11 +134,6 @@ class OptimizerOffload:
     def reset_copy_stats(self) -> None:
         self.d2h.reset_stats()
         self.h2d.reset_stats()
-
-    def synchronize(self) -> None:
-        """Waits for every copy in flight (before the host reads or frees buffers the queues still use)."""
-        self.d2h.synchronize(self.d2h.last_ticket())
-        self.h2d.synchronize(self.h2d.last_ticket())
 
 
 class OffloadedAdam(CPUAdam):
@@ -185,11 +164,15 @@ class OffloadedAdam(CPUAdam):
         self._flat_of = flat_of
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": _C.empty_host(p.numel(), torch.float32, False).zero_(),
-                    "exp_avg_sq": _C.empty_host(p.numel(), torch.float32, False).zero_(),
-                }
+                self.state[p] = self._new_state(p)
+
+    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """As ``CPUAdam``'s, with the moments in counted exact-size host buffers (1-D, like the master shards)."""
+        return {
+            "step": torch.tensor(0.0, dtype=_step_dtype()),
+            "exp_avg": _C.empty_host(p.numel(), torch.float32, False).zero_(),
+            "exp_avg_sq": _C.empty_host(p.numel(), torch.float32, False).zero_(),
+        }
 
     def gradients(self) -> list[torch.Tensor]:
         """The host gradient shards of this step (waits for their copies): what clipping and loss scaling act on."""
@@ -198,10 +181,7 @@ class OffloadedAdam(CPUAdam):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Steps every master whose gradient was reduced in this step, through the offload pipeline."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         work = []
         for gi, group in enumerate(self.param_groups):
             _check_group(gi, group)
