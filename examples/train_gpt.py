@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     o.add_argument("--sample_tokens", type=int, default=200, help="bytes to generate after training; 0 = none")
     o.add_argument("--prompt", default="def ")
+    o.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
     o.add_argument("--log_dir", default=None, help="CSV logs here; default: no logger, nothing written to cwd")
     return p.parse_args(argv)
 
@@ -122,6 +123,14 @@ def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.
     out = model.generate(idx, n, temperature=temperature, top_k=top_k, generator=generator)
     model.train(was_training)
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def load_average() -> str:
+    """The 1-minute load average (other processes slow a shared machine down), or "n/a" off Linux."""
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "n/a"
 
 
 def versions() -> dict[str, str]:
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     # ZeRO stage 3 keeps only shards: gather the whole model for generation (a collective, so every rank enters)
     with full_parameters(module):
         sample = (
-            generate_sample(module, args.prompt, args.sample_tokens)
+            generate_sample(module, args.prompt, args.sample_tokens, temperature=args.temperature)
             if trainer.is_global_zero and args.sample_tokens > 0
             else ""
         )
@@ -204,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     if curve:
         print(
             f"train loss (mean over ranks): step {curve[0][0]} {curve[0][1]:.4f} -> step {curve[-1][0]} "
-            f"{curve[-1][1]:.4f}; last val loss {val}; fit wall time {wall_s:.1f} s"
+            f"{curve[-1][1]:.4f}; last val loss {val}; fit wall time {wall_s:.1f} s "
+            f"(CPU time per rank: {max(r['fit_cpu_s'] for r in stats.ranks):.0f} s, load average {load_average()})"
         )
     if sample:
         print(f"\n--- sample ({args.sample_tokens} bytes after {args.prompt!r}) ---\n{sample}\n---")

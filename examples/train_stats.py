@@ -1,4 +1,5 @@
-"""A Callback that records what the run summary reports: per-step train loss, val loss, tokens/s and peak memory."""
+"""A Callback that records what the run summary reports: per-step train loss, val loss, tokens/s, peak memory and the
+model-state bytes each rank holds, beside what DDP would hold for the same model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,42 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+MODEL_STATE = ("params", "grads", "master", "optimizer_state")
+
+
+def model_state_bytes(pl_module: L.LightningModule, optimizer) -> dict[str, dict[str, int]]:
+    """Bytes of model state this rank keeps between steps, by kind (``params``, ``grads``, ``master``,
+    ``optimizer_state``): ``{"held": ..., "ddp": ...}``.
+
+    ``held`` under zeroshard is what the engine allocated (``ZeroEngine.memory_summary()``: parameters whole at stages
+    1-2 and one shard at 3, fp32 master shards where they are not the parameter shards themselves, fp32 gradient
+    shards (stage 1: the whole gradient), optimizer-state shards; shard padding included), plus parameters it does not
+    shard. ``ddp`` is what DDP keeps for the same model and optimizer, in the accounting of Rajbhandari et al. 2020
+    ("ZeRO", section 3.1): every parameter and gradient whole in fp32 (Lightning's mixed precision keeps fp32
+    parameters) and the whole optimizer state, at the bytes per element this run's optimizer keeps (AdamW: 8). DDP's
+    gradient buckets (another gradient-sized buffer unless ``gradient_as_bucket_view=True``) are not counted. Under
+    ``--strategy ddp``, ``held`` is ``ddp``.
+    """
+    params = list(pl_module.parameters())  # tied parameters once
+    n_all = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in params if p.requires_grad)
+    engine = getattr(pl_module, "_zeroshard_engine", None)
+    if engine is not None:
+        held = engine.memory_summary()
+        held["params"] += sum(p.numel() * p.element_size() for _, p in engine.unsharded_parameters())
+        shard_elems = sum(fp.layout.shard_numel for fp in engine.flat_params)
+        per_element = held["optimizer_state"] / max(1, shard_elems)
+    else:
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        per_element = sum(v.numel() * v.element_size() for v in state) / max(1, n_trainable)
+    ddp = {
+        "params": 4 * n_all,
+        "grads": 4 * n_trainable,
+        "master": 0,
+        "optimizer_state": round(per_element * n_trainable),
+    }
+    return {"held": held if engine is not None else dict(ddp), "ddp": ddp}
+
 
 def host_peak_mib() -> float:
     """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
@@ -19,8 +56,10 @@ def host_peak_mib() -> float:
 
 class TrainStats(L.Callback):
     """Records, on every rank, the loss of every training batch (from ``outputs``), the wall time spent training
-    (validation excluded) and the tokens this rank processed. At ``on_train_end`` all ranks exchange their stats, so
-    every rank holds ``self.ranks`` (one dict per rank) and ``self.loss_curve`` (step -> loss averaged over ranks).
+    (validation excluded), the CPU time of the whole fit (``fit_cpu_s``: with one core per rank, about the fit's wall
+    time on an otherwise idle machine), the tokens this rank processed and its model-state bytes. At ``on_train_end``
+    all ranks exchange their stats, so every rank holds ``self.ranks`` (one dict per rank) and ``self.loss_curve``
+    (step -> loss averaged over ranks).
     """
 
     def __init__(self) -> None:
@@ -30,11 +69,12 @@ class TrainStats(L.Callback):
         self.wall_s = self.val_s = 0.0
         self.ranks: list[dict[str, Any]] = []
         self.loss_curve: list[tuple[int, float]] = []
-        self._t0 = self._v0 = 0.0
+        self._t0 = self._v0 = self._cpu0 = 0.0
         self._step = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = time.perf_counter()
+        self._cpu0 = time.process_time()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._step = trainer.global_step  # 0 for the first batch; on_train_batch_end sees it already incremented
@@ -56,6 +96,7 @@ class TrainStats(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.wall_s = time.perf_counter() - self._t0
+        cpu_s = time.process_time() - self._cpu0  # all threads of this rank; what it costs on a machine of its own
         train_s = max(self.wall_s - self.val_s, 1e-9)
         # mean over micro-batches of the same optimizer step (gradient accumulation)
         per_step: dict[int, list[float]] = defaultdict(list)
@@ -70,8 +111,10 @@ class TrainStats(L.Callback):
             "gpu_peak_mib": round(gpu_peak, 1) if gpu_peak is not None else None,
             "tokens": self.tokens,
             "train_s": round(train_s, 3),
+            "fit_cpu_s": round(cpu_s, 1),
             "tokens_per_s": round(self.tokens / train_s, 1),
             "final_train_loss": curve[max(curve)] if curve else None,
+            "model_state": model_state_bytes(pl_module, trainer.optimizers[0]) if trainer.optimizers else None,
             "loss_curve": curve,
         }
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -96,4 +139,24 @@ class TrainStats(L.Callback):
                 f"{r['tokens_per_s']:>10.1f} {r['final_train_loss']:>10.4f}"
             )
         lines.append(f"all ranks: {sum(r['tokens_per_s'] for r in self.ranks):.1f} tokens/s")
+        if all(r.get("model_state") for r in self.ranks):
+            lines += ["", self.model_state_table()]
+        return "\n".join(lines)
+
+    def model_state_table(self) -> str:
+        """Per rank: model-state MiB held between steps, by kind, beside DDP's total for the same model, and their
+        ratio."""
+        mib = 2**20
+        lines = [
+            "model state per rank, MiB held between steps (DDP: whole fp32 parameters, gradients, optimizer state)",
+            f"{'rank':>4} {'params':>8} {'grads':>8} {'master':>8} {'optimizer':>9} {'total':>8} {'DDP total':>10} "
+            f"{'ratio':>6}",
+        ]
+        for r in self.ranks:
+            held, ddp = r["model_state"]["held"], r["model_state"]["ddp"]
+            total, ddp_total = sum(held[k] for k in MODEL_STATE), sum(ddp[k] for k in MODEL_STATE)
+            cells = " ".join(f"{held[k] / mib:>{w}.2f}" for k, w in zip(MODEL_STATE, (8, 8, 8, 9)))
+            lines.append(
+                f"{r['rank']:>4} {cells} {total / mib:>8.2f} {ddp_total / mib:>10.2f} {total / max(1, ddp_total):>6.2f}"
+            )
         return "\n".join(lines)

@@ -7,10 +7,11 @@
 #include <cmath>
 #include <vector>
 
+#include "adam/adam_detail.h"
 #include "adam/adam_kernel.h"
 
 namespace zeroshard {
-namespace {
+namespace adam_detail {
 
 using adam_kernel::Args;
 using adam_kernel::Factors;
@@ -76,6 +77,10 @@ void check_hyper(const AdamHyper& h) {
   TORCH_CHECK_VALUE(h.eps >= 0.0, "adam_step: invalid eps=", h.eps, "; need eps >= 0");
   TORCH_CHECK_VALUE(h.weight_decay >= 0.0, "adam_step: invalid weight_decay=", h.weight_decay,
                     "; need weight_decay >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(h.grad_unscale) && h.grad_unscale >= 0.0,
+                    "adam_step: invalid grad_unscale=", h.grad_unscale, "; need a finite value >= 0 (1 / loss scale)");
+  TORCH_CHECK_VALUE(std::isfinite(h.grad_clip) && h.grad_clip >= 0.0, "adam_step: invalid grad_clip=", h.grad_clip,
+                    "; need a finite value >= 0 (the clip coefficient, <= 1)");
 }
 
 // Host-side factors, computed in double and rounded to float where torch rounds its Python-float scalars
@@ -106,9 +111,12 @@ Factors make_factors(const AdamHyper& h) {
     step_size = h.lr / (1.0 - std::pow(h.beta1, t));       // Python's beta1**step is C pow
     bc2_sqrt = std::pow(1.0 - std::pow(h.beta2, t), 0.5);  // torch writes bias_correction2**0.5, not sqrt
   }
-  f.bc2_sqrt = static_cast<float>(bc2_sqrt);
+  f.inv_bc2_sqrt = static_cast<float>(1.0 / bc2_sqrt);
   f.eps = static_cast<float>(h.eps);
   f.neg_step_size = static_cast<float>(-step_size);  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  f.grad_unscale = static_cast<float>(h.grad_unscale);
+  f.grad_clip = static_cast<float>(h.grad_clip);
+  f.scale_grad = f.grad_unscale != 1.0f || f.grad_clip != 1.0f;
   return f;
 }
 
@@ -124,13 +132,30 @@ KernelFn kernel_for(CpuIsa isa) {
   return adam_kernel::scalar::run;
 }
 
+adam_kernel::TrafficFn traffic_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      return adam_kernel::avx2::traffic;
+    case CpuIsa::kAvx512:
+      return adam_kernel::avx512::traffic;
+    case CpuIsa::kScalar:
+      break;
+  }
+  return adam_kernel::scalar::traffic;
+}
+
+// The threading of every step: fixed kAdamChunk-element chunks over at::parallel_for, so per-chunk partial sums (and
+// their order) do not depend on the thread count.
+
 // In-place writes through raw pointers bypass autograd's version counter; bump it like an in-place op would, so a
 // graph that saved the old value errors instead of silently using the new one.
 void bump_version(const at::Tensor& t) {
   if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
 }
 
-}  // namespace
+}  // namespace adam_detail
+
+using namespace adam_detail;
 
 std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                                    const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
@@ -186,11 +211,9 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
 
   const int64_t chunks = (n + kAdamChunk - 1) / kAdamChunk;
   std::vector<double> partial(compute_grad_stats ? chunks : 0, 0.0);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const double s = kernel(args, c * kAdamChunk, std::min(n, (c + 1) * kAdamChunk), compute_grad_stats);
-      if (compute_grad_stats) partial[c] = s;
-    }
+  for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) {
+    const double s = kernel(args, begin, end, compute_grad_stats);
+    if (compute_grad_stats) partial[c] = s;
   });
   bump_version(param);
   bump_version(exp_avg);
@@ -203,6 +226,26 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   // Squares are formed in double, where no finite float overflows, so a non-finite sum means a non-finite gradient.
   stats.found_inf = !std::isfinite(stats.grad_sq_sum);
   return stats;
+}
+
+void adam_traffic_reference(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                            const at::Tensor& exp_avg_sq, std::optional<std::string_view> isa) {
+  const int64_t n = param.numel();
+  const char* names[] = {"param", "grad", "exp_avg", "exp_avg_sq"};
+  const at::Tensor* ts[] = {&param, &grad, &exp_avg, &exp_avg_sq};
+  for (int i = 0; i < 4; ++i) {
+    check_tensor(*ts[i], names[i]);
+    TORCH_CHECK_TYPE(ts[i]->scalar_type() == at::kFloat, "adam_traffic_reference: ", names[i], " has dtype ",
+                     ts[i]->scalar_type(), "; the reference moves fp32 data only");
+    check_numel(*ts[i], names[i], n);
+  }
+  const adam_kernel::TrafficFn traffic = traffic_for(resolve_cpu_isa(isa));
+  Args args;
+  args.param = param.data_ptr<float>();
+  args.exp_avg = exp_avg.data_ptr<float>();
+  args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  args.grad = grad.data_ptr();
+  for_each_chunk(n, [&](int64_t, int64_t begin, int64_t end) { traffic(args, begin, end); });
 }
 
 }  // namespace zeroshard

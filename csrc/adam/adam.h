@@ -23,6 +23,11 @@ struct AdamHyper {
   double weight_decay = 0.0;    // >= 0
   bool adamw_mode = true;       // true: decoupled decay p *= 1 - lr*wd (AdamW); false: L2, g += wd*p (Adam)
   bool bias_correction = true;  // false: step_size = lr and no sqrt(1 - beta2^t) scaling
+  // Gradient scale folded into the step: g = (g * grad_unscale) * grad_clip, each product rounded to fp32, as the
+  // two in-place multiplies an fp16 loss-scale removal and a clip-by-norm do on an fp32 gradient. Each finite, >= 0,
+  // used as its fp32 rounding; both 1 (the default) skip the multiplies.
+  double grad_unscale = 1.0;
+  double grad_clip = 1.0;
 };
 
 struct GradStats {
@@ -47,5 +52,12 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
                                    const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
                                    const std::optional<at::Tensor>& param_out = std::nullopt,
                                    bool compute_grad_stats = false, std::optional<std::string_view> isa = std::nullopt);
+
+// The bandwidth reference of adam_step: the same memory traffic for fp32 tensors (read param, grad, exp_avg,
+// exp_avg_sq; write param, exp_avg, exp_avg_sq back unchanged), the same chunks, threads and loop, no arithmetic.
+// What adam_step would take if its arithmetic were free; benchmarks compare the two in one run. Same argument rules
+// as adam_step, all four tensors fp32; nothing changes in value.
+void adam_traffic_reference(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                            const at::Tensor& exp_avg_sq, std::optional<std::string_view> isa = std::nullopt);
 
 }  // namespace zeroshard

@@ -20,12 +20,15 @@ enum class OutType : uint8_t { kNone, kFloat32, kBFloat16, kFloat16 };
 
 // Per-step factors, computed in double on the host and rounded to float exactly as torch rounds its Python-float
 // scalars (see adam.cpp). The kernel does, per element, in this order (fma = one rounding, like torch's vector code):
-//   g = upcast(grad)                                   stats: sum += double(g)^2
+//   g = upcast(grad)                                   stats: sum += double(g)^2 (of the gradient as stored)
+//   scaled:         g = (g * grad_unscale) * grad_clip (fp16 loss-scale removal, then the clip coefficient: the same
+//                                                       two roundings as two in-place mul_ calls on an fp32 gradient)
 //   L2 (Adam):      g = fma(p, weight_decay, g)
 //   decoupled:      p = p * decay_mul                  (decay_mul = 1 - lr*wd)
 //   m = lerp_small ? fma(lerp_coeff, g - m, m) : fma(lerp_coeff, g - m, g)   (torch's lerp, weight = 1 - beta1)
 //   v = fma(one_minus_beta2 * g, g, v * beta2)                              (torch's mul_ + addcmul_)
-//   p = p + (neg_step_size * m) / (sqrt(v) / bc2_sqrt + eps)                (torch's addcdiv_)
+//   p = p + (neg_step_size * m) / fma(sqrt(v), inv_bc2_sqrt, eps)   (torch's addcdiv_; torch divides sqrt(v) by
+//                                                                   bc2_sqrt: one division less here, 1 ulp apart)
 //   param_out = convert(p)
 struct Factors {
   bool l2_decay = false;         // Adam mode with weight_decay != 0
@@ -36,9 +39,12 @@ struct Factors {
   float lerp_coeff = 0.f;  // weight if lerp_small, else weight - 1
   float beta2 = 0.f;
   float one_minus_beta2 = 0.f;
-  float bc2_sqrt = 1.f;
+  float inv_bc2_sqrt = 1.f;  // 1 / sqrt(1 - beta2^t), rounded once from double
   float eps = 0.f;
   float neg_step_size = 0.f;
+  bool scale_grad = false;  // apply grad_unscale and grad_clip
+  float grad_unscale = 1.f;
+  float grad_clip = 1.f;
 };
 
 struct Args {
@@ -56,14 +62,21 @@ struct Args {
 // range (in double, a fixed order for a given ISA and range) when want_grad_sq, else 0.
 using KernelFn = double (*)(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
 
+// The bandwidth reference: the step's fp32 memory traffic over [begin, end) (read param, grad (fp32), exp_avg,
+// exp_avg_sq; write param, exp_avg, exp_avg_sq with the values read) with the same loop and no arithmetic.
+using TrafficFn = void (*)(const Args& args, int64_t begin, int64_t end);
+
 namespace scalar {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
-}
+void traffic(const Args& args, int64_t begin, int64_t end);
+}  // namespace scalar
 namespace avx2 {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
-}
+void traffic(const Args& args, int64_t begin, int64_t end);
+}  // namespace avx2
 namespace avx512 {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq);
-}
+void traffic(const Args& args, int64_t begin, int64_t end);
+}  // namespace avx512
 
 }  // namespace zeroshard::adam_kernel

@@ -26,6 +26,8 @@ struct Ops {
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V sqrt(V a) { return _mm256_sqrt_ps(a); }
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  // Hides values from the optimiser (the bandwidth reference stores what it loaded).
+  static void opaque(V& a, V& b, V& c, V& d) { __asm__ volatile("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d)); }
 
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   // bf16 -> fp32: widen to 32 bits and shift into the top half.
@@ -71,5 +73,7 @@ struct Ops {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq) {
   return impl::run<Ops>(args, begin, end, want_grad_sq);
 }
+
+void traffic(const Args& args, int64_t begin, int64_t end) { impl::traffic<Ops>(args, begin, end); }
 
 }  // namespace zeroshard::adam_kernel::avx2

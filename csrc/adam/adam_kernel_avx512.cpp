@@ -27,6 +27,8 @@ struct Ops {
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
   static V sqrt(V a) { return _mm512_sqrt_ps(a); }
   static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // Hides values from the optimiser (the bandwidth reference stores what it loaded).
+  static void opaque(V& a, V& b, V& c, V& d) { __asm__ volatile("" : "+v"(a), "+v"(b), "+v"(c), "+v"(d)); }
 
   static __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
   static __m256i narrow_bf16(V x) {
@@ -74,5 +76,7 @@ struct Ops {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq) {
   return impl::run<Ops>(args, begin, end, want_grad_sq);
 }
+
+void traffic(const Args& args, int64_t begin, int64_t end) { impl::traffic<Ops>(args, begin, end); }
 
 }  // namespace zeroshard::adam_kernel::avx512

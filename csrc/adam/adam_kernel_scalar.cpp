@@ -76,6 +76,8 @@ struct Ops {
   static V div(V a, V b) { return a / b; }
   static V sqrt(V a) { return __builtin_sqrtf(a); }
   static V fmadd(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
+  // Hides values from the optimiser (the bandwidth reference stores what it loaded).
+  static void opaque(V& a, V& b, V& c, V& d) { __asm__ volatile("" : "+x"(a), "+x"(b), "+x"(c), "+x"(d)); }
 
   static V load(const float* p) { return *p; }
   static V load(const BF16* p) { return bf16_to_float(*p); }
@@ -95,5 +97,7 @@ struct Ops {
 double run(const Args& args, int64_t begin, int64_t end, bool want_grad_sq) {
   return impl::run<Ops>(args, begin, end, want_grad_sq);
 }
+
+void traffic(const Args& args, int64_t begin, int64_t end) { impl::traffic<Ops>(args, begin, end); }
 
 }  // namespace zeroshard::adam_kernel::scalar

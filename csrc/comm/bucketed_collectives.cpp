@@ -69,6 +69,7 @@ BucketedCollectives::BucketedCollectives(c10::intrusive_ptr<c10d::ProcessGroup> 
   TORCH_CHECK(pg_, "BucketedCollectives: process group is null");
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
+  stats_ = std::make_shared<CommStats>(pg_->getBackendName(), world_size_);
 }
 
 std::vector<std::pair<size_t, size_t>> BucketedCollectives::plan_buckets(const std::vector<int64_t>& full_numels,
@@ -103,6 +104,7 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
     int64_t total = 0;
     for (size_t i = b; i < e; ++i) total += shards[i].numel();
     if (total == 0) continue;  // identical on every rank, so skipping keeps the collectives matched
+    stats_->record(CollectiveKind::kAllGather, world_size_ * total * shards[b].element_size());
     if (e - b == 1) {
       at::Tensor out = fulls[b].view({-1});
       at::Tensor in = shards[b].view({-1});
@@ -146,6 +148,7 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
     int64_t total = 0;
     for (size_t i = b; i < e; ++i) total += shards[i].numel();
     if (total == 0) continue;
+    stats_->record(CollectiveKind::kReduceScatter, world_size_ * total * fulls[b].element_size());
     at::Tensor in;
     if (e - b == 1) {
       in = fulls[b].view({-1});  // already [world, S] in memory
@@ -187,6 +190,7 @@ CollectiveHandle BucketedCollectives::all_reduce(Tensors tensors, int64_t bucket
     int64_t total = 0;
     for (size_t i = b; i < e; ++i) total += numels[i];
     if (total == 0) continue;
+    stats_->record(CollectiveKind::kAllReduce, total * tensors[b].element_size());
     if (e - b == 1) {
       Tensors one{tensors[b]};
       handle.add_work(pg_->allreduce(one, opts));

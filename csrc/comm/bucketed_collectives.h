@@ -9,14 +9,17 @@
 // Every rank must call the same ops with the same sizes, dtypes and bucket_elems in the same order, as with any
 // collective. Everything is validated before anything is launched, so a bad call throws on every rank without leaving
 // a collective half-issued. All ops are asynchronous: they return a CollectiveHandle, and outputs are only valid after
-// handle.wait(). Inputs and outputs must stay alive and untouched until then.
+// handle.wait(). Inputs and outputs must stay alive and untouched until then. Every launched collective is counted in
+// stats() (comm/comm_stats.h): calls and bytes per kind, per step and in total.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "comm/collective_handle.h"
+#include "comm/comm_stats.h"
 
+#include <memory>
 #include <vector>
 
 namespace zeroshard {
@@ -28,6 +31,8 @@ class BucketedCollectives {
   int64_t rank() const { return rank_; }
   int64_t world_size() const { return world_size_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return pg_; }
+  // Bytes and calls of every collective launched through this object (shared, so it outlives handles and copies).
+  const std::shared_ptr<CommStats>& stats() const { return stats_; }
 
   // fulls[i] (any shape, world_size * shards[i].numel() elements) <- concatenation over ranks of shards[i].
   // All tensors contiguous, one dtype, one device. shards[i] may be the view fulls[i].flatten().narrow(0, rank * S, S)
@@ -53,6 +58,7 @@ class BucketedCollectives {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int64_t rank_;
   int64_t world_size_;
+  std::shared_ptr<CommStats> stats_;
 };
 
 }  // namespace zeroshard

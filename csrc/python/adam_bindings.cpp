@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "adam/adam.h"
+#include "adam/adam_group.h"
 #include "adam/cpu_isa.h"
 #include "python/bindings.h"
 
@@ -20,8 +21,9 @@ void bind_adam(py::module_& m) {
       [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
          int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
          bool bias_correction, const std::optional<at::Tensor>& param_out, bool compute_grad_stats,
-         const std::optional<std::string>& isa) -> std::optional<std::tuple<double, bool>> {
-        AdamHyper h{step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction};
+         const std::optional<std::string>& isa, double grad_unscale,
+         double grad_clip) -> std::optional<std::tuple<double, bool>> {
+        AdamHyper h{step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip};
         std::optional<GradStats> stats;
         {
           // The step touches only tensor memory, never Python objects: let other Python threads run.
@@ -35,9 +37,57 @@ void bind_adam(py::module_& m) {
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("step"), py::arg("lr"),
       py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
       py::arg("bias_correction"), py::arg("param_out") = py::none(), py::arg("compute_grad_stats") = false,
-      py::arg("isa") = py::none(),
+      py::arg("isa") = py::none(), py::arg("grad_unscale") = 1.0, py::arg("grad_clip") = 1.0,
       "Fused Adam/AdamW step in place on CPU tensors; see zeroshard.ops.adam_step. Returns None, or "
       "(grad_sq_sum: float, found_inf: bool) when compute_grad_stats.");
+  py::class_<AdamGroup>(m, "AdamGroup", R"doc(
+The tensors of one param group of the fused CPU Adam, checked once: AdamGroup(params, exp_avgs, exp_avg_sqs, label,
+group_index). Each list has one fp32, CPU, dense, contiguous tensor per parameter. Raises ValueError naming
+"<label> param <i> of group <group_index> (shape ...)" and the fix. Step with adam_step_groups.)doc")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::string, int64_t>(),
+           py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("label"), py::arg("group_index"))
+      .def("__len__", &AdamGroup::size);
+  m.def(
+      "adam_step_groups",
+      [](const std::vector<std::tuple<const AdamGroup*, std::vector<std::optional<at::Tensor>>, std::vector<int64_t>,
+                                      double, double, double, double, double, bool, bool, double, double>>& work,
+         bool compute_grad_stats, const std::optional<std::string>& isa) -> std::optional<std::tuple<double, bool>> {
+        std::vector<AdamGroupStep> steps;
+        steps.reserve(work.size());
+        for (const auto& [group, grads, counts, lr, b1, b2, eps, wd, adamw, bc, unscale, clip] : work) {
+          AdamGroupStep w;
+          w.group = group;
+          w.grads.reserve(grads.size());
+          for (const auto& g : grads) w.grads.push_back(g ? *g : at::Tensor());
+          w.steps = counts;
+          w.hyper = AdamHyper{1, lr, b1, b2, eps, wd, adamw, bc, unscale, clip};
+          steps.push_back(std::move(w));
+        }
+        std::optional<GradStats> stats;
+        {
+          py::gil_scoped_release no_gil;
+          stats =
+              adam_step_groups(steps, compute_grad_stats, isa ? std::optional<std::string_view>(*isa) : std::nullopt);
+        }
+        if (!stats) return std::nullopt;
+        return std::make_tuple(stats->grad_sq_sum, stats->found_inf);
+      },
+      py::arg("work"), py::arg("compute_grad_stats") = false, py::arg("isa") = py::none(), R"doc(
+One Adam step over several AdamGroups. work: list of (group, grads, steps, lr, beta1, beta2, eps, weight_decay,
+adamw_mode, bias_correction, grad_unscale, grad_clip) with grads a list (one per tensor; None skips it) and steps the
+counts before this step (each stepped tensor uses count + 1). Everything is checked before anything is written.
+Returns None, or (grad_sq_sum, found_inf) when compute_grad_stats.)doc");
+  m.def(
+      "adam_traffic_reference",
+      [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+         const std::optional<std::string>& isa) {
+        py::gil_scoped_release no_gil;
+        adam_traffic_reference(param, grad, exp_avg, exp_avg_sq,
+                               isa ? std::optional<std::string_view>(*isa) : std::nullopt);
+      },
+      py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("isa") = py::none(),
+      "adam_step's fp32 memory traffic with no arithmetic (values unchanged); see "
+      "zeroshard.ops.adam_traffic_reference.");
   m.def(
       "cpu_isa", []() { return zeroshard::cpu_isa(); },
       "Name of the ISA the fused CPU Adam uses now: 'scalar', 'avx2' or 'avx512' (honours ZEROSHARD_CPU_ISA).");

@@ -7,8 +7,52 @@ namespace zeroshard::python {
 
 namespace py = pybind11;
 
+namespace {
+
+// {"all_gather": {...}, "reduce_scatter": {...}, "all_reduce": {...}}, wire_bytes None where the backend is unknown.
+py::dict counters_to_dict(const CommCounters& counters, bool wire_known) {
+  py::dict out;
+  for (int k = 0; k < kNumCollectiveKinds; ++k) {
+    const CollectiveCounters& c = counters[k];
+    py::dict d;
+    d["calls"] = c.calls;
+    d["tensor_bytes"] = c.tensor_bytes;
+    d["bytes"] = c.bytes;
+    d["wire_bytes"] = wire_known ? py::object(py::int_(c.wire_bytes)) : py::object(py::none());
+    out[collective_kind_name(static_cast<CollectiveKind>(k))] = d;
+  }
+  return out;
+}
+
+}  // namespace
+
 void bind_comm(py::module_& m) {
   using Release = py::call_guard<py::gil_scoped_release>;
+
+  py::class_<CommStats, std::shared_ptr<CommStats>>(m, "CommStats", R"doc(
+Bytes this rank sent through one BucketedCollectives, per collective kind, per step and in total.
+
+Each kind (``all_gather``, ``reduce_scatter``, ``all_reduce``) maps to a dict of ints: ``calls`` (collectives
+launched), ``tensor_bytes`` (full-buffer bytes, nccl-tests' size), ``bytes`` (what this rank sends in a ring: F (N-1)/N
+for all-gather and reduce-scatter, 2 F (N-1)/N for all-reduce; what we ask of the process group) and ``wire_bytes``
+(what the backend really sends: gloo emulates reduce-scatter with an all-reduce, so twice ``bytes`` there; None for
+backends where it is not known). Source: ring volumes as in the ZeRO paper (Rajbhandari et al. 2020, section 7) and
+nccl-tests' bus bandwidth.)doc")
+      .def("end_step", &CommStats::end_step, "Closes the current step: it becomes last_step() and is added to total().")
+      .def("reset", &CommStats::reset, "Forgets every count (steps, totals and the open step).")
+      .def(
+          "current", [](const CommStats& s) { return counters_to_dict(s.current(), s.wire_known()); },
+          "Counts since the last end_step().")
+      .def(
+          "last_step", [](const CommStats& s) { return counters_to_dict(s.last_step(), s.wire_known()); },
+          "Counts of the step closed by the last end_step().")
+      .def(
+          "total", [](const CommStats& s) { return counters_to_dict(s.total(), s.wire_known()); },
+          "Counts of every closed step.")
+      .def_property_readonly("steps", &CommStats::steps, "int: steps closed by end_step()")
+      .def_property_readonly("backend", &CommStats::backend, "str: the process group's backend name")
+      .def_property_readonly("world_size", &CommStats::world_size, "int: ranks of the process group")
+      .def_property_readonly("wire_known", &CommStats::wire_known, "bool: wire_bytes are known for this backend");
 
   py::class_<CollectiveHandle>(m, "CollectiveHandle", R"doc(
 An in-flight bucketed collective. Outputs are valid only after ``wait()``; inputs and outputs must stay alive and
@@ -31,6 +75,8 @@ inputs are validated before anything is launched. Reductions are SUM then ``* sc
            "process_group: a torch.distributed ProcessGroup, e.g. dist.group.WORLD or dist.new_group(...).")
       .def_property_readonly("rank", &BucketedCollectives::rank)
       .def_property_readonly("world_size", &BucketedCollectives::world_size)
+      .def_property_readonly("stats", &BucketedCollectives::stats,
+                             "CommStats: bytes and calls of every collective launched through this object")
       .def("all_gather", &BucketedCollectives::all_gather, py::arg("shards"), py::arg("fulls"), py::arg("bucket_elems"),
            Release(), R"doc(
 After wait(): ``fulls[i].view(-1) == cat([shards[i] of rank r for r in range(world_size)])``.

@@ -18,9 +18,10 @@ namespace py = pybind11;
 namespace {
 
 // (master, exp_avg, exp_avg_sq, grad, grad_ticket, param_out, device_param, step, lr, beta1, beta2, eps,
-//  weight_decay, adamw_mode, bias_correction)
-using SegmentTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>,
-                                std::optional<at::Tensor>, int64_t, double, double, double, double, double, bool, bool>;
+//  weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip)
+using SegmentTuple =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>,
+               std::optional<at::Tensor>, int64_t, double, double, double, double, double, bool, bool, double, double>;
 
 OffloadSegment to_segment(const SegmentTuple& t) {
   OffloadSegment s;
@@ -31,8 +32,8 @@ OffloadSegment to_segment(const SegmentTuple& t) {
   s.grad_ticket = std::get<4>(t);
   if (std::get<5>(t)) s.param_out = *std::get<5>(t);
   if (std::get<6>(t)) s.device_param = *std::get<6>(t);
-  s.hyper = AdamHyper{std::get<7>(t),  std::get<8>(t),  std::get<9>(t),  std::get<10>(t),
-                      std::get<11>(t), std::get<12>(t), std::get<13>(t), std::get<14>(t)};
+  s.hyper = AdamHyper{std::get<7>(t),  std::get<8>(t),  std::get<9>(t),  std::get<10>(t), std::get<11>(t),
+                      std::get<12>(t), std::get<13>(t), std::get<14>(t), std::get<15>(t), std::get<16>(t)};
   return s;
 }
 
@@ -102,7 +103,8 @@ chunks of chunk_elems elements, and uploads the new weights through two staging 
           },
           py::arg("segments"), py::arg("compute_grad_stats") = false, R"doc(
 segments: list of (master, exp_avg, exp_avg_sq, grad, grad_ticket, param_out or None, device_param or None, step, lr,
-beta1, beta2, eps, weight_decay, adamw_mode, bias_correction). Returns None, or (grad_sq_sum, found_inf) when
+beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip): the last two multiply the
+gradient in the kernel (1.0: no scaling; see adam_step). Returns None, or (grad_sq_sum, found_inf) when
 compute_grad_stats. Everything is validated before anything is written.)doc")
       .def("upload_buffer_bytes", &HostAdamPipeline::upload_buffer_bytes)
       .def_property_readonly("chunk_elems", &HostAdamPipeline::chunk_elems);

@@ -1,23 +1,27 @@
 """zeroshard: ZeRO stage 1/2/3 sharding, CPU offload and a fused CPU Adam for PyTorch Lightning.
 
 Public API:
-    ZeroStrategy: the Lightning strategy (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
+    ZeroStrategy: the strategy for ``lightning.Trainer`` (registered as ``zeroshard_stage_1``, ``zeroshard_stage_2``,
         ``zeroshard_stage_2_offload``, ``zeroshard_stage_3``, ``zeroshard_stage_3_offload``,
         ``zeroshard_stage_3_offload_params``).
+    ZeroFabricStrategy: the same for ``lightning.Fabric`` (the same names, registered for Fabric).
     gathered_parameters: a context manager giving whole parameters at stage 3 (generation, inspection).
     init_meta_context: build a model on the meta device (nothing allocated until the strategy shards it).
     load_pretrained: load a safetensors checkpoint, each rank reading only the slices its shards need.
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning.
+    ops: functional entry points of the compiled core (``zeroshard.ops.adam_step``).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from zeroshard import _C  # noqa: F401
+from zeroshard import _C, ops  # noqa: F401
 from zeroshard.config import ZeroConfig
 from zeroshard.cpu_adam import CPUAdam
 from zeroshard.engine import ZeroEngine
+from zeroshard.fabric_precision import ZeroFabricPrecision
+from zeroshard.fabric_strategy import ZeroFabricStrategy
 from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.meta_init import init_meta_context
@@ -31,21 +35,27 @@ __all__ = [
     "CPUAdam",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "cpu_isa",
     "gathered_parameters",
     "init_meta_context",
     "load_pretrained",
+    "ops",
     "supported_cpu_isas",
 ]
 
 
 def _register_strategies() -> None:
-    # Lightning discovers only its own strategies; an external one registers its names when imported.
+    # Lightning discovers only its own strategies; an external one registers its names when imported, in the Trainer's
+    # registry and in Fabric's (two registries, as Lightning's own strategies have).
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     ZeroStrategy.register_strategies(StrategyRegistry)
+    ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 
 _register_strategies()

@@ -27,6 +27,10 @@ class ZeroConfig:
             parameter offload, Rajbhandari et al. 2021, section 5). The optimizer step writes them in place.
         offload_chunk_size: elements per chunk of the pipelined host step (each chunk's upload buffer holds this
             many compute-dtype elements; two are allocated).
+        overlap_step: with ``offload_optimizer``: step each bucket on a host worker as soon as its gradient shard is
+            copied to the host, while backward goes on (:mod:`zeroshard.overlap`); results equal the step after
+            backward bit for bit. With gradient clipping or fp16 loss scaling the step waits for the end of backward
+            (their factors are global) and folds them into the kernel. Off by default until measured on a GPU.
         reduce_bucket_size: elements per flat parameter / gradient bucket (stages 1-2). Each bucket is one
             reduce-scatter (stage 2) or all-reduce (stage 1). Default 25M elements, like DeepSpeed's ``5e8`` bytes / 20.
         allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
@@ -45,6 +49,10 @@ class ZeroConfig:
             device is materialised; default: each module's ``reset_parameters()``.
         check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
             backward and raise naming the first difference.
+        shard_group_size: hybrid sharding (:mod:`zeroshard.hybrid`; FSDP's HYBRID_SHARD, ZeRO++ hpZ, MiCS): shard over
+            groups of this many consecutive ranks and replicate across the world / k groups. ``None`` (or the world
+            size) shards over every rank. Must divide the world size (checked when the engine is built).
+        device_mesh: instead of ``shard_group_size``, a ``DeviceMesh``: 2-D ``(replicate, shard)`` or 1-D (shard).
 
     Raises:
         ValueError: naming the bad setting and the accepted values.
@@ -54,6 +62,7 @@ class ZeroConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_chunk_size: int = 4 * 1024 * 1024
+    overlap_step: bool = False
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 25_000_000
     max_inflight_buckets: int = 2
@@ -64,6 +73,8 @@ class ZeroConfig:
     param_init_fn: object = None
     reduce_dtype: object = None
     param_persistence_threshold: int = 0
+    shard_group_size: int | None = None
+    device_mesh: object = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
@@ -97,13 +108,18 @@ class ZeroConfig:
         for name in ("prefetch", "check_gather_order"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
-        for name in ("offload_optimizer", "offload_params"):
+        for name in ("offload_optimizer", "offload_params", "overlap_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
         if self.offload_params and self.stage != 3:
             raise ValueError(
                 f"ZeroStrategy(offload_params=True) needs stage=3 (got stage={self.stage}): only stage 3 shards the "
                 "parameters. Use stage=3, or drop offload_params and keep offload_optimizer=True."
+            )
+        if self.overlap_step and not self.offload_optimizer:
+            raise ValueError(
+                "ZeroStrategy(overlap_step=True) overlaps the offloaded CPU step with backward: it needs "
+                "offload_optimizer=True. Set offload_optimizer=True too, or drop overlap_step."
             )
         if self.offload_params and not self.offload_optimizer:
             raise ValueError(
@@ -114,6 +130,18 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two >= 64 (one cache line)."
             )
+
+        if self.shard_group_size is not None and (
+            isinstance(self.shard_group_size, bool)
+            or not isinstance(self.shard_group_size, int)
+            or self.shard_group_size < 1
+        ):
+            raise ValueError(
+                f"ZeroStrategy(shard_group_size={self.shard_group_size!r}) must be a positive integer (ranks per shard "
+                "group, dividing the world size) or None (shard over every rank)."
+            )
+        if self.device_mesh is not None and self.shard_group_size is not None:
+            raise ValueError("ZeroStrategy: give either shard_group_size or device_mesh, not both.")
 
     def align_elems(self, element_size: int) -> int:
         """Alignment in elements for a buffer of ``element_size``-byte elements."""

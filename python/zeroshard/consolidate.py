@@ -1,30 +1,43 @@
 """Consolidate a sharded checkpoint into plain files, one parameter at a time, with no GPU and no process group.
 
-    python -m zeroshard.consolidate CKPT_DIR OUT [--format safetensors|torch] [--dtype bf16|fp32]
+    python -m zeroshard.consolidate CKPT_DIR OUT [--format safetensors|torch|lightning] [--dtype bf16|fp32|fp16]
                                                 [--max_shard_size 5GB] [--no-master]
+    python -m zeroshard.consolidate CKPT_DIR OUT_DIR --hf [--dtype bf16] [--hf_module NAME]
 
 Each parameter is assembled from the saved flat shards of every rank (reading only its element ranges) and streamed
 into the output before the next is read: safetensors headers are written first (every shape is in the index), so
-peak memory is about the largest parameter, not the model. ``--format torch`` holds the whole state dict, as
-``torch.save`` needs. The fp32 master weights are used when the run
+peak memory is about the largest parameter, not the model. ``--format torch`` and ``--format lightning`` hold the
+whole state dict, as ``torch.save`` needs. The fp32 master weights are used when the run
 kept them apart from the parameters (mixed precision), so nothing is lost to bf16 rounding unless ``--dtype bf16``.
+Only what ``module.state_dict()`` holds is written: parameters and persistent buffers.
 
 Output:
     ``--format safetensors``: ``OUT/model.safetensors``, or ``OUT/model-0000k-of-0000n.safetensors`` plus
-    ``OUT/model.safetensors.index.json`` (the Hugging Face layout) when larger than ``--max_shard_size``.
+    ``OUT/model.safetensors.index.json`` (the Hugging Face layout) when larger than ``--max_shard_size``; the names are
+    the saved module's own (``model.transformer.wte.weight`` for a LightningModule holding ``self.model``).
     ``--format torch``: ``OUT`` is one file for ``torch.load`` / ``module.load_state_dict``.
+    ``--format lightning``: ``OUT`` is one file in Lightning's checkpoint format (``state_dict`` plus the saved
+    trainer state: ``hyper_parameters``, ``pytorch-lightning_version``, loops, ...; no optimizer state), for
+    ``LightningModule.load_from_checkpoint`` (as Lightning's FSDP ``consolidate_checkpoint`` and DeepSpeed's
+    ``convert_zero_checkpoint_to_fp32_state_dict`` do).
+    ``--hf``: ``OUT`` is a directory ``transformers``' ``from_pretrained`` loads: the Hugging Face model recorded at
+    save time (:mod:`zeroshard.hf_export`) under its own names (prefix removed, tied duplicates dropped, LoRA merged),
+    safetensors, ``config.json`` and ``generation_config.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from zeroshard.sharded_checkpoint import _SavedShards, verify
+from zeroshard.hf_export import hf_config_files, hf_tensor_plan, merge_lora
+from zeroshard.sharded_checkpoint import _SavedShards, read_trainer_state, verify
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -79,9 +92,10 @@ def plan_parameters(ckpt: str | Path, *, master: bool = True) -> list[_Item]:
             sl = rank0.get_slice(key)
             dtype = {v: k for k, v in _ST_DTYPES.items()}[sl.get_dtype()]
             items.append(_Item(key.split(".", 1)[1], sl.get_shape(), dtype, lambda key=key: saved.read_whole(key)))
+    by_name = {item.name: item for item in items}
     for alias, name in index.get("aliases", {}).items():
-        if name in saved.where:
-            item = parameter(name)
+        if name in by_name:  # a flat parameter, or a whole one (frozen at stages 1-2) or a buffer
+            item = by_name[name]
             items.append(_Item(alias, item.shape, item.dtype, item.read))
     return items
 
@@ -92,10 +106,11 @@ def iter_parameters(ckpt: str | Path, *, master: bool = True) -> Iterator[tuple[
         yield item.name, item.read()
 
 
-def _write_safetensors(path: Path, items: list[_Item], cast) -> None:
+def _write_safetensors(path: Path, items: list[_Item], cast, metadata: dict[str, str] | None = None) -> None:
     """Streams ``items`` into one safetensors file: the header first (shapes are known), then each tensor's bytes as
     it is read, so only one tensor is in memory at a time."""
-    header, offset = {}, 0
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
     for item in items:
         dtype = cast(item.dtype)
         n = torch.Size(item.shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -111,12 +126,45 @@ def _write_safetensors(path: Path, items: list[_Item], cast) -> None:
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+def _write_files(out: Path, items: list[_Item], cast, max_shard_size: int, metadata=None) -> list[Path]:
+    """``out/model.safetensors``, or numbered files of at most ``max_shard_size`` bytes plus the HF index JSON."""
+    out.mkdir(parents=True, exist_ok=True)
+    groups: list[list[_Item]] = [[]]
+    size = total = 0
+    for item in items:
+        n = torch.Size(item.shape).numel() * torch.empty((), dtype=cast(item.dtype)).element_size()
+        if groups[-1] and size + n > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+        total += n
+    if len(groups) == 1:
+        path = out / "model.safetensors"
+        _write_safetensors(path, groups[0], cast, metadata)
+        return [path]
+    files, weight_map = [], {}
+    for k, group in enumerate(groups, 1):
+        path = out / f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        _write_safetensors(path, group, cast, metadata)
+        files.append(path)
+        weight_map.update({item.name: path.name for item in group})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return files
+
+
 def _parse_size(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     for suffix, mult in units.items():
         if text.upper().endswith(suffix):
             return int(float(text[: -len(suffix)]) * mult)
     return int(text)
+
+
+def _caster(dtype: torch.dtype | None):
+    """dtype -> output dtype: floating tensors become ``dtype`` when one is asked for; others keep theirs."""
+    return lambda d: dtype if dtype is not None and d.is_floating_point else d
 
 
 def consolidate(
@@ -130,65 +178,126 @@ def consolidate(
 ) -> list[Path]:
     """Writes the checkpoint's full parameters to ``out``; returns the files written.
 
-    safetensors output is streamed (peak memory about the largest tensor); ``fmt="torch"`` builds the whole state dict
-    in memory, as ``torch.save`` needs.
+    safetensors output is streamed (peak memory about the largest tensor); ``fmt="torch"`` (the state dict) and
+    ``fmt="lightning"`` (:func:`lightning_checkpoint`: Lightning's format, for ``load_from_checkpoint``) build the whole
+    state dict in memory, as ``torch.save`` needs.
 
     Raises:
         ValueError: for an unknown ``fmt``; FileNotFoundError / ValueError for a missing or corrupt checkpoint file.
     """
-    out = Path(out)
-
-    def cast(d: torch.dtype) -> torch.dtype:
-        return dtype if dtype is not None and d.is_floating_point else d
-
+    out, cast = Path(out), _caster(dtype)
     items = plan_parameters(ckpt, master=master)
-    if fmt == "torch":
+    if fmt in ("torch", "lightning"):
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({item.name: item.read().to(cast(item.dtype)) for item in items}, out)
+        state = {item.name: item.read().to(cast(item.dtype)) for item in items}
+        torch.save({**read_trainer_state(ckpt), "state_dict": state} if fmt == "lightning" else state, out)
         return [out]
     if fmt != "safetensors":
-        raise ValueError(f"--format {fmt!r}: use 'safetensors' or 'torch'")
-    out.mkdir(parents=True, exist_ok=True)
-    groups: list[list[_Item]] = [[]]
-    size = 0
-    for item in items:
-        n = torch.Size(item.shape).numel() * torch.empty((), dtype=cast(item.dtype)).element_size()
-        if groups[-1] and size + n > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    if len(groups) == 1:
-        path = out / "model.safetensors"
-        _write_safetensors(path, groups[0], cast)
-        return [path]
-    files, weight_map = [], {}
-    for k, group in enumerate(groups, 1):
-        path = out / f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors(path, group, cast)
-        files.append(path)
-        weight_map.update({item.name: path.name for item in group})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        raise ValueError(f"--format {fmt!r}: use 'safetensors', 'torch' or 'lightning'")
+    return _write_files(out, items, cast, max_shard_size)
+
+
+def full_state_dict(ckpt: str | Path, *, master: bool = True) -> dict[str, torch.Tensor]:
+    """The saved module's whole ``state_dict()`` (CPU tensors; fp32 masters where kept), for ``load_state_dict``.
+
+    Holds every tensor in memory at once (unlike the streamed safetensors output).
+    """
+    return {item.name: item.read() for item in plan_parameters(ckpt, master=master)}
+
+
+def lightning_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+    """The checkpoint in Lightning's format without optimizer state: the saved trainer state (``hyper_parameters``,
+    ``pytorch-lightning_version``, loops, callbacks, ...) plus ``state_dict`` (:func:`full_state_dict`)."""
+    return {**read_trainer_state(ckpt), "state_dict": full_state_dict(ckpt)}
+
+
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    module: str | None = None,
+    max_shard_size: int = 5 * 10**9,
+) -> list[Path]:
+    """Writes the Hugging Face model recorded in a sharded checkpoint as a directory ``from_pretrained`` loads.
+
+    Tensors are streamed as in :func:`consolidate`, under the HF model's own names (see
+    :func:`zeroshard.hf_export.hf_tensor_plan`), in ``dtype`` (floating tensors; default as saved, fp32 masters where
+    kept); ``config.json`` (``dtype`` set to the written dtype, ``architectures`` to the class) and
+    ``generation_config.json`` are written beside them. Tensors of the module outside the HF model are left out,
+    with a warning naming them. Returns the files written.
+
+    Raises:
+        ValueError: the checkpoint records no Hugging Face model (it was saved from a module holding none, or before
+            this was recorded), several and ``module`` is not given or names none of them, or a PEFT setting the
+            LoRA merge does not support.
+    """
+    ckpt, out = Path(ckpt), Path(out)
+    models = verify(ckpt).get("hf_models") or []
+    if not models:
+        raise ValueError(
+            f"{ckpt} records no Hugging Face model (the saved module held no transformers.PreTrainedModel, or the "
+            "checkpoint predates this record); use --format safetensors and map the names yourself"
+        )
+    names = [m["name"] for m in models]
+    if module is None and len(models) > 1:
+        raise ValueError(f"{ckpt} holds {len(models)} Hugging Face models {names}: pick one with --hf_module NAME")
+    chosen = [m for m in models if module is None or m["name"] == module]
+    if not chosen:
+        raise ValueError(f"--hf_module {module!r}: the checkpoint's Hugging Face models are {names}")
+    model = chosen[0]
+    items = {item.name: item for item in plan_parameters(ckpt)}
+    plan, left_out = hf_tensor_plan(list(items), {n: i.shape for n, i in items.items()}, model)
+    if left_out:
+        warnings.warn(
+            f"--hf leaves out {len(left_out)} tensors outside the Hugging Face model: {left_out[:8]}", stacklevel=2
+        )
+
+    def item(t) -> _Item:
+        base = items[t.source]
+        if t.lora_a is None:
+            return _Item(t.name, base.shape, base.dtype, base.read)
+        read_a, read_b = items[t.lora_a].read, items[t.lora_b].read
+        return _Item(
+            t.name, base.shape, base.dtype, lambda: merge_lora(base.read(), read_a(), read_b(), t.scaling, t.transpose)
+        )
+
+    cast = _caster(dtype)
+    files = _write_files(out, [item(t) for t in plan], cast, max_shard_size, metadata={"format": "pt"})
+    floating = {cast(items[t.source].dtype) for t in plan if items[t.source].dtype.is_floating_point}
+    for name, content in hf_config_files(model, floating.pop() if len(floating) == 1 else None).items():
+        (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        files.append(out / name)
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroshard.consolidate", description=__doc__.split("\n\n")[0])
     p.add_argument("ckpt", help="a sharded checkpoint directory (ZeroStrategy(state_dict_type='sharded'))")
-    p.add_argument("out", help="output directory (safetensors) or file (torch)")
-    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch"])
+    p.add_argument("out", help="output directory (safetensors, --hf) or file (torch, lightning)")
+    p.add_argument("--format", default="safetensors", choices=["safetensors", "torch", "lightning"])
+    p.add_argument("--hf", action="store_true", help="write the Hugging Face model for from_pretrained (a directory)")
+    p.add_argument("--hf_module", default=None, help="with --hf: which HF model, when the module held several")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="cast floating tensors (default: as saved)")
     p.add_argument("--max_shard_size", default="5GB", help="largest output file, e.g. 500MB, 5GB")
     p.add_argument("--no-master", action="store_true", help="write the compute-dtype parameters, not fp32 masters")
     args = p.parse_args(argv)
-    files = consolidate(
-        args.ckpt,
-        args.out,
-        fmt=args.format,
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
-        max_shard_size=_parse_size(args.max_shard_size),
-        master=not args.no_master,
-    )
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if args.hf:
+        if args.format != "safetensors" or args.no_master:
+            p.error("--hf writes safetensors from the fp32 masters: drop --format / --no-master")
+        files = export_hf(
+            args.ckpt, args.out, dtype=dtype, module=args.hf_module, max_shard_size=_parse_size(args.max_shard_size)
+        )
+    else:
+        files = consolidate(
+            args.ckpt,
+            args.out,
+            fmt=args.format,
+            dtype=dtype,
+            max_shard_size=_parse_size(args.max_shard_size),
+            master=not args.no_master,
+        )
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} file(s), {total / 2**20:.1f} MiB: " + ", ".join(str(f) for f in files))
     return 0

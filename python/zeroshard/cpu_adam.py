@@ -2,16 +2,54 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 
 from zeroshard import _C
 
 __all__ = ["CPUAdam"]
 
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+def step_hooks(func: Callable) -> Callable:
+    """What ``torch.optim.Optimizer`` wraps every ``step`` in (``profile_hook_step``: step pre/post hooks, global and
+    per optimizer, and ``_optimizer_step_code``), with its ``record_function`` entered only while a profiler runs:
+    entering it costs tens of microseconds a step on this CPU even when nothing records, more than a whole step of a
+    small model here. Marked ``hooked`` so torch does not wrap the method again."""
+
+    @functools.wraps(func)
+    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.autograd._profiler_enabled():
+            return torch.optim.Optimizer.profile_hook_step(func)(self, *args, **kwargs)
+        for pre_hook in chain(_global_pre_hooks().values(), self._optimizer_step_pre_hooks.values()):
+            result = pre_hook(self, (self, *args), kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"{func} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                    )
+                (_, *args), kwargs = result
+        out = func(self, *args, **kwargs)
+        self._optimizer_step_code()
+        for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_post_hooks().values()):
+            post_hook(self, (self, *args), kwargs)
+        return out
+
+    wrapper.hooked = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _global_pre_hooks() -> dict:
+    return _torch_optimizer._global_optimizer_pre_hooks  # torch.optim.optimizer.register_optimizer_step_pre_hook
+
+
+def _global_post_hooks() -> dict:
+    return _torch_optimizer._global_optimizer_post_hooks
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -74,6 +112,7 @@ class CPUAdam(torch.optim.Optimizer):
             bias_correction=bias_correction,
         )
         super().__init__(params, defaults)
+        self._plans: dict[int, _GroupPlan] = {}  # by group index; rebuilt when a group's tensors change
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -81,12 +120,28 @@ class CPUAdam(torch.optim.Optimizer):
             # Groups loaded from torch.optim.Adam/AdamW carry decoupled_weight_decay instead of adamw_mode.
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
             group.setdefault("bias_correction", True)
+        for st in self.state.values():
+            if "step" in st:
+                st["step"] = step_count(st["step"])
+        self._plans = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format: as ``torch.optim.AdamW.state_dict()``, ``step`` a 0-dim float32 tensor (kept as a plain
+        number while training)."""
+        sd = super().state_dict()
+        sd["state"] = {k: _torch_state(v) for k, v in sd["state"].items()}
+        return sd
+
+    @step_hooks
     @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
     ) -> float | None:  # type: ignore[override]
         """Perform one optimization step over every parameter that has a gradient.
+
+        One call into the compiled core for all groups (``_C.adam_step_groups``). Each group's parameters and state
+        are checked once, when they first appear (or after the state was replaced); later steps check only the
+        gradients, in C++.
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss (run with grad enabled).
@@ -100,34 +155,100 @@ class CPUAdam(torch.optim.Optimizer):
             ValueError: see the class docstring; nothing is modified when it is raised.
         """
         loss = run_closure(closure)
-
-        # Validate everything before the first write, so a bad parameter leaves the whole optimizer untouched.
-        work = []
+        work, plans = [], []
         for gi, group in enumerate(self.param_groups):
             _check_group(gi, group)
-            for pi, p in enumerate(group["params"]):
-                g = grads.get(p) if grads is not None else None
-                g = p.grad if g is None else g
-                if g is None:
-                    continue
-                _check_param(gi, pi, p, g, self.state.get(p))
-                work.append((group, p, g))
-
-        for group, p, g in work:
-            state = self.state[p]
-            if len(state) == 0:
-                state.update(self._new_state(p))
-            state["step"] += 1
-            _C.adam_step(p.detach(), g.detach(), state["exp_avg"], state["exp_avg_sq"], *step_hyper(state, group))
+            params = group["params"]
+            if grads is None:
+                gl = [p.grad for p in params]
+            else:
+                gl = [grads.get(p, p.grad) for p in params]
+            plan = self._plans.get(gi)
+            if plan is None or not plan.current(params, self.state, gl):
+                plan = _GroupPlan(gi, params, self.state, gl, self._new_state)
+                self._plans[gi] = plan
+            ready = plan.ready_grads(gl)
+            beta1, beta2 = group["betas"]
+            work.append((plan.cpp, ready, plan.steps(), float(group["lr"]), float(beta1), float(beta2),
+                         float(group["eps"]), float(group["weight_decay"]), bool(group["adamw_mode"]),
+                         bool(group["bias_correction"]), 1.0, 1.0))  # fmt: skip
+            plans.append((plan, ready))
+        _C.adam_step_groups(work)
+        for plan, ready in plans:
+            plan.commit(self.state, ready)
         return loss
 
-    def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Fresh state of ``p`` in torch's keys and layout: ``step`` 0-dim, fp32 zero moments shaped like ``p``."""
+    def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """Fresh state of ``p`` in torch's keys: ``step`` (a plain number here), fp32 zero moments shaped like ``p``."""
         return {
-            "step": torch.tensor(0.0, dtype=_step_dtype()),
+            "step": 0,
             "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
         }
+
+
+class _GroupPlan:
+    """One param group as the compiled core steps it: the parameters that have state, checked once (``_C.AdamGroup``).
+
+    A parameter gets its state the first time it has a gradient (as in torch); the plan is rebuilt then, and whenever
+    the group's parameters or their state dicts are no longer the objects it was built from (``load_state_dict``,
+    ``optimizer.state[p] = {...}``). In-place changes to the state tensors need no rebuild.
+    """
+
+    __slots__ = ("params", "states", "ready", "stateless", "pending", "cpp")
+
+    def __init__(self, gi: int, params: list, state: dict, grads: list, new_state: Callable) -> None:
+        self.params = list(params)
+        self.states = [state.get(p) for p in params]
+        self.ready: list[int] = []  # indices of parameters the core steps (they have, or are about to get, state)
+        self.stateless: list[int] = []  # no state and no gradient yet
+        self.pending: dict[int, dict] = {}  # state created now, added to optimizer.state once the step succeeded
+        for i, (p, st, g) in enumerate(zip(params, self.states, grads)):
+            if st:
+                if "step" in st:
+                    st["step"] = step_count(st["step"])
+            elif g is not None:
+                self.pending[i] = self.states[i] = new_state(p)  # the core checks p before anything is kept
+            else:
+                self.stateless.append(i)
+                continue
+            self.ready.append(i)
+        tensors = [(self.params[i].detach(), self.states[i].get("exp_avg"), self.states[i].get("exp_avg_sq"))
+                   for i in self.ready]  # fmt: skip
+        for i, (p, m, v) in zip(self.ready, tensors):
+            if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or "step" not in self.states[i]:
+                raise ValueError(
+                    f"CPUAdam param {i} of group {gi} (shape {tuple(p.shape)}): its state lacks step, exp_avg or "
+                    "exp_avg_sq; load a complete Adam/AdamW state_dict"
+                )
+        self.cpp = _C.AdamGroup(
+            [t[0] for t in tensors], [t[1] for t in tensors], [t[2] for t in tensors], "CPUAdam", gi
+        )
+
+    def current(self, params: list, state: dict, grads: list) -> bool:
+        """Still valid: the same parameters and state dicts, and no gradient for a parameter without state."""
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return False
+        if not all(map(operator.is_, map(state.get, params), self.states)):
+            return False
+        return not any(grads[i] is not None for i in self.stateless)
+
+    def ready_grads(self, grads: list) -> list:
+        return grads if not self.stateless else [grads[i] for i in self.ready]
+
+    def steps(self) -> list[int]:
+        states = self.states
+        return [states[i]["step"] for i in self.ready]
+
+    def commit(self, state: dict, grads: list) -> None:
+        """After a successful step: new states join ``optimizer.state``, and each stepped parameter counts a step."""
+        for i, st in self.pending.items():
+            state[self.params[i]] = st
+        self.pending = {}
+        states = self.states
+        for i, g in zip(self.ready, grads):
+            if g is not None:
+                states[i]["step"] += 1
 
 
 def run_closure(closure: Callable[[], float] | None) -> float | None:
@@ -143,7 +264,7 @@ def step_hyper(state: dict[str, Any], group: dict[str, Any]) -> tuple:
     offload pipeline take them, from a parameter's state (``step`` already incremented) and its group."""
     beta1, beta2 = group["betas"]
     return (
-        int(state["step"].item()),
+        step_count(state["step"]),
         float(group["lr"]),
         float(beta1),
         float(beta2),
@@ -152,6 +273,18 @@ def step_hyper(state: dict[str, Any], group: dict[str, Any]) -> tuple:
         bool(group["adamw_mode"]),
         bool(group["bias_correction"]),
     )
+
+
+def step_count(step: Any) -> int:
+    """A state's ``step`` as a plain int (torch keeps a 0-dim float tensor; a loaded checkpoint may hold one)."""
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _torch_state(st: dict[str, Any]) -> dict[str, Any]:
+    """A copy of one parameter's state with ``step`` as torch stores it (a 0-dim float32 tensor)."""
+    if "step" not in st or isinstance(st["step"], torch.Tensor):
+        return st
+    return {**st, "step": torch.tensor(float(st["step"]), dtype=_step_dtype())}
 
 
 def _step_dtype() -> torch.dtype:
@@ -183,37 +316,3 @@ def _check_group(gi: int, group: dict[str, Any]) -> None:
                 f"CPUAdam param group {gi}: {key}=True (from a loaded torch optimizer state) is not supported; "
                 f"set group['{key}'] = False or use torch.optim.Adam/AdamW"
             )
-
-
-def _check_tensor(what: str, t: torch.Tensor, fix_device: str) -> None:
-    if t.device.type != "cpu":
-        raise ValueError(f"{what} is on {t.device}; CPUAdam steps CPU tensors only ({fix_device})")
-    if t.layout != torch.strided:
-        raise ValueError(f"{what} has layout {t.layout}; CPUAdam needs dense tensors (sparse: torch.optim.SparseAdam)")
-    if not t.is_contiguous():
-        raise ValueError(f"{what} is not contiguous (strides {t.stride()}); make it contiguous (no copy is made)")
-
-
-def _check_param(gi: int, pi: int, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any] | None) -> None:
-    name = f"CPUAdam param {pi} of group {gi} (shape {tuple(p.shape)})"
-    _check_tensor(name, p, "move the model to the CPU, or use a GPU optimizer")
-    if p.dtype != torch.float32:
-        raise ValueError(f"{name} has dtype {p.dtype}; CPUAdam needs float32 (master) parameters: call .float()")
-    _check_tensor(f"the gradient of {name}", g, "gradients must live with their CPU parameter")
-    if g.dtype not in _GRAD_DTYPES:
-        raise ValueError(f"the gradient of {name} has dtype {g.dtype}; supported: float32, bfloat16, float16")
-    if g.numel() != p.numel():
-        raise ValueError(f"the gradient of {name} has {g.numel()} elements, expected {p.numel()}")
-    if not state:
-        return
-    for key in ("exp_avg", "exp_avg_sq"):
-        s = state.get(key)
-        if not isinstance(s, torch.Tensor):
-            raise ValueError(f"state['{key}'] of {name} is missing; load a complete Adam/AdamW state_dict")
-        _check_tensor(f"state['{key}'] of {name}", s, "load the state_dict onto CPU parameters")
-        if s.dtype != torch.float32 or s.numel() != p.numel():
-            raise ValueError(
-                f"state['{key}'] of {name} is {s.dtype} with {s.numel()} elements; expected float32 with {p.numel()}"
-            )
-    if not isinstance(state.get("step"), torch.Tensor):
-        raise ValueError(f"state['step'] of {name} is missing or not a tensor; load a complete Adam/AdamW state_dict")

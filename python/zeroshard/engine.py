@@ -1,10 +1,10 @@
-"""ZeroEngine: ZeRO stages 1-2 for one module and one optimizer.
+"""ZeroEngine: ZeRO stages 1-3 for one module and its optimizers (one, or several such as a GAN's).
 
 The engine owns the flat parameters (buckets), the gradient reducer and the optimizer rewiring. The Lightning strategy
 calls it at four points: :meth:`ZeroEngine.__init__` at setup, :meth:`finish_backward` after each backward,
 :meth:`after_step` after each optimizer step, and the state-dict methods for checkpoints. It is usable without Lightning
 too (see ``tests/python``): build it after creating the optimizer, then run ``loss.backward()``, ``optimizer.step()``,
-``engine.after_step()`` as usual.
+``engine.after_step(optimizer)`` as usual.
 
 Per step (stage 2): backward hooks reduce-scatter each bucket's gradient into fp32 gradient shards (bucketed, overlapped
 with backward) -> the shards become the master shards' ``.grad`` -> the optimizer steps the master shards (on the host
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -26,35 +26,52 @@ from torch.optim import Optimizer
 
 from zeroshard import _C
 from zeroshard.buckets import BucketPlan, plan_buckets
+from zeroshard.comm_stats import summarize
 from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
 from zeroshard.grad_reducer import GradReducer
-from zeroshard.meta_init import check_no_meta, has_meta, materialize_, materialize_module_, replacement
+from zeroshard.hybrid import HybridGradReduction, data_parallel_groups
+from zeroshard.init_plan import check_plan, plan_init, run_plan
+from zeroshard.meta_init import check_no_meta, has_meta, materialize_module_, replacement
 from zeroshard.offload import OffloadedAdam, OptimizerOffload, check_host_budget, host_bytes_needed, threads_per_rank
 from zeroshard.optim_state import consolidated_state_dict, load_consolidated_state_dict
 from zeroshard.pretrained import apply_recorded_pretrained
-from zeroshard.sharded_optimizer import original_param_groups, rewire, to_cpu_adam
+from zeroshard.sharded_optimizer import OptimizerSet
+from zeroshard.sharded_param import real_parameter
 from zeroshard.sharded_units import ShardedUnits, Unit
 from zeroshard.units import plan_units
 
 
 class ZeroEngine:
-    """Shards ``optimizer``'s state and, at stage 2, the gradients of ``module`` across ``process_group``.
+    """Shards the optimizer state and, at stage 2, the gradients of ``module`` across ``process_group`` (stage 3: the
+    parameters too).
 
     Args:
         module: the model, already on its compute device. Its trainable parameters become views into flat buffers.
-        optimizer: a fresh torch optimizer over ``module``'s parameters (any class; param groups kept).
+        optimizer: a fresh torch optimizer over ``module``'s parameters (any class; param groups kept), or a sequence
+            of them over disjoint parameters (a GAN's generator and discriminator): each gets the master shards of its
+            own param groups; no flat parameter mixes optimizers.
         config: :class:`~zeroshard.config.ZeroConfig`.
-        process_group: the data-parallel group (default: the world group). Must be initialised.
+        process_group: the data-parallel group (default: the world group). Must be initialised. With
+            ``config.shard_group_size`` or ``config.device_mesh`` (hybrid sharding, :mod:`zeroshard.hybrid`) the
+            engine builds its shard and replicate groups from the world group instead.
         compute_dtype: dtype of the parameters forward and backward run with (``torch.bfloat16`` for bf16-mixed);
             default: the parameters' own. Master weights and optimizer state stay fp32.
         local_world_size: ranks on this host (default ``LOCAL_WORLD_SIZE`` from the environment, else 1). With
             offload, each rank steps with ``cores / local_world_size`` threads and the host-memory check counts every
             local rank.
 
+    Gradients follow ``param.grad`` semantics on the master shards: each synchronised backward adds the reduced
+    gradient shard into ``master.grad`` (``None`` -> the shard itself), so gradients accumulate across backward passes
+    until that optimizer's ``zero_grad`` or :meth:`after_step` (which clears them, as DeepSpeed's ``engine.step()``
+    does). A backward that reaches parameters of several optimizers gives each of them its gradient, as under DDP. A
+    master whose ``requires_grad`` is False (Lightning's ``toggle_optimizer`` toggles the masters, which are what the
+    optimizer holds) receives no gradient, as a parameter with ``requires_grad=False`` receives none under DDP.
+
     Attributes:
-        optimizer: the optimizer to step: ``optimizer`` itself, rewired onto master shards, or its
+        optimizers: the optimizers to step, in the order given: each rewired onto its master shards, or its
             :class:`~zeroshard.offload.OffloadedAdam` replacement when offloading Adam/AdamW.
+        optimizer: the only optimizer (``optimizers[0]``); an error when there are several.
         offload: the :class:`~zeroshard.offload.OptimizerOffload` (``None`` without ``offload_optimizer``).
 
     Raises:
@@ -66,7 +83,7 @@ class ZeroEngine:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         config: ZeroConfig,
         process_group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | None = None,
@@ -81,10 +98,18 @@ class ZeroEngine:
         self.module = module
         self.compute_dtype = compute_dtype
         self.reduce_dtype = config.reduce_dtype or torch.float32
-        self.process_group = process_group or dist.group.WORLD
+        device_type = "cuda" if dist.get_backend(process_group) == "nccl" else "cpu"
+        groups = data_parallel_groups(process_group, config.shard_group_size, config.device_mesh, device_type)
+        self.groups = groups
+        self.process_group = groups.shard  # every bucketed collective runs in the shard group
         self.collectives = _C.BucketedCollectives(self.process_group)
-        self.rank = self.collectives.rank
-        self.world_size = self.collectives.world_size
+        self.rank = self.collectives.rank  # rank inside the shard group: which shard this rank holds
+        self.world_size = self.collectives.world_size  # ranks per shard group (the number of shards)
+        self.replicate_collectives = _C.BucketedCollectives(groups.replicate) if groups.replicate else None
+        self.replicate_rank, self.replicate_size = groups.replicate_rank, groups.replicate_size
+        self._comm_stats = {"shard": self.collectives.stats}
+        if self.replicate_collectives is not None:
+            self._comm_stats["replicate"] = self.replicate_collectives.stats
         if local_world_size is None:
             local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.local_world_size = local_world_size
@@ -95,26 +120,38 @@ class ZeroEngine:
             self.cpu_threads = threads_per_rank(local_world_size)
             torch.set_num_threads(self.cpu_threads)
 
-        self.original_groups = original_param_groups(optimizer)
+        self.optim = OptimizerSet(optimizer if isinstance(optimizer, Optimizer) else list(optimizer))
+        if config.overlap_step and len(self.optim.optimizers) > 1:
+            raise ValueError(
+                "ZeroStrategy(overlap_step=True) steps buckets during backward, which needs one optimizer; got "
+                f"{len(self.optim.optimizers)} (a loop that steps only some of them, like a GAN's, cannot know "
+                "during backward which will step). Drop overlap_step, or use one optimizer with several param groups."
+            )
+        self.original_groups = self.optim.original_groups()  # every optimizer's groups, numbered in one sequence
         self.sharded: ShardedUnits | None = None
         if config.stage == 3:
             self.flat_params, groups = self._build_units()
         else:
             self.flat_params, groups = self._build_buckets()
-        rewire(optimizer, self.flat_params, groups)
-        self.optimizer = optimizer
+        self.optim.rewire(self.flat_params, groups)
         if config.offload_optimizer:
             device = self._device()
             self.offload = OptimizerOffload(
-                self.flat_params, device=device, pin=device.type == "cuda", chunk_elems=config.offload_chunk_size
+                self.flat_params,
+                device=device,
+                pin=device.type == "cuda",
+                chunk_elems=config.offload_chunk_size,
+                overlap_step=config.overlap_step,
+                threads=self.cpu_threads,
             )
-            flat_of = {id(fp.master): fp for fp in self.flat_params}
-            self.optimizer = to_cpu_adam(optimizer, OffloadedAdam, offload=self.offload, flat_of=flat_of)
+            self.optim.offload_adam(OffloadedAdam, offload=self.offload)
         # Adam/AdamW step through the offload pipeline; any other optimizer steps the host masters as it is
-        self.pipelined = isinstance(self.optimizer, OffloadedAdam)
+        self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.reducer = GradReducer(
             self.flat_params,
-            self.collectives,
+            self.collectives
+            if self.replicate_collectives is None
+            else HybridGradReduction(self.collectives, self.replicate_collectives),
             stage=config.stage,
             max_inflight=config.max_inflight_buckets,
             on_launch=self.sharded.on_reduction_launched if self.sharded else None,
@@ -170,9 +207,10 @@ class ZeroEngine:
     def _build_units(self) -> tuple[list[FlatParam], list[int]]:
         """Stage 3: per unit, materialise (meta models), broadcast from rank 0, keep this rank's shard only.
 
-        Meta modules are materialised in ``module.modules()`` order, so values equal an eager build with the same seed
-        (see :mod:`zeroshard.meta_init`); each unit is flattened and sharded as soon as its last module is done, so
-        no more than the root unit and one other unit are whole at a time.
+        Meta modules are materialised by the plan of :mod:`zeroshard.init_plan` (``reset_parameters`` in
+        ``module.modules()`` order, Hugging Face models in their eager order), so values equal an eager build with the
+        same seed (see :mod:`zeroshard.meta_init`); each unit is flattened and sharded as soon as its last module is
+        done, so no more than the root unit and one other unit are whole at a time.
         """
         plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
         self._check_offload_budget(
@@ -198,15 +236,21 @@ class ZeroEngine:
 
         if has_meta(self.module):
             unit_of = {id(m): i for i, plan in enumerate(plans) for m in plan.modules}
-            left = [sum(1 for _ in plan.modules) for plan in plans]
-            for m in self.module.modules():
-                materialize_([m], device, param_init_fn=self.config.param_init_fn, root=self.module)
+            left = [len({id(m) for m in plan.modules}) for plan in plans]
+            steps = plan_init(self.module, self.config.param_init_fn)
+            # a dry run on meta: every tensor initialised, no unit written after it was sharded; raises before any
+            # allocation, naming every module at fault
+            check_plan(self.module, steps, unit_of=unit_of, unit_names=[p.name or "<root>" for p in plans])
+
+            def done(m: nn.Module) -> None:
                 i = unit_of.get(id(m))
                 if i is None:  # a wrapped module left with no parameters of its own (e.g. all tied to the root)
-                    continue
+                    return
                 left[i] -= 1
                 if left[i] == 0:
                     build(i)
+
+            run_plan(self.module, steps, device, on_module=done)
             check_no_meta(self.module)
             self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
         else:
@@ -274,53 +318,123 @@ class ZeroEngine:
 
     @torch.no_grad()
     def _on_backward_finished(self, synced: bool) -> None:
-        """Sets each master shard's ``.grad`` (fp32, the master's device) and, at stage 3, frees every unit."""
+        """Adds each reduced gradient shard into its master's ``.grad`` (fp32, the master's device) and, at stage 3,
+        frees every unit."""
         if self.sharded is not None:
             self.sharded.end_of_step()
         if not synced:
             return
-        if self.offload is not None:
-            if self.sharded is not None:
-                self.sharded.wait_param_copies()  # backward's gathers may still read the host shards the step writes
-            if not self.pipelined:  # another optimizer reads .grad: wait for the copies, fp32 as .grad must be
-                self.offload.wait_for_gradients()
-                for fp in self.flat_params:
-                    g = self.offload.host_grads[id(fp)]
-                    fp.master.grad = g if g.dtype == torch.float32 else g.float()
-                self.offload.gradients_consumed()
-            return  # OffloadedAdam waits for each gradient copy in its step, chunk by chunk
-        for fp in self.flat_params:  # without offload the master lives with its gradient shard
-            fp.master.grad = fp.grad_shard
+        if self.offload is not None and self.sharded is not None:
+            self.sharded.wait_param_copies()  # backward's gathers may still read the host shards the step writes
+        for fp in self.flat_params:
+            if self.offload is None:  # without offload the master lives with its gradient shard
+                grad = fp.grad_shard
+                fp.release_grad_shard()  # handed over: the next backward reduces into a fresh shard
+            elif isinstance(self.optim.optimizer_of(fp), OffloadedAdam):
+                continue  # OffloadedAdam reads the host gradient shard in its step, chunk by chunk
+            else:  # another optimizer reads .grad: wait for the copy, fp32 as .grad must be
+                grad = self.offload.take_gradient(fp)
+            master = fp.master
+            if grad is None or not master.requires_grad:
+                continue  # a master toggled off (toggle_optimizer) gets no gradient, as under DDP
+            if master.grad is None:
+                master.grad = grad
+            else:
+                master.grad.add_(grad)
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers to step, in the order given at construction."""
+        return self.optim.optimizers
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The engine's only optimizer.
+
+        Raises:
+            RuntimeError: with several optimizers (use :attr:`optimizers`).
+        """
+        if len(self.optimizers) != 1:
+            raise RuntimeError(f"this engine has {len(self.optimizers)} optimizers: use engine.optimizers")
+        return self.optimizers[0]
 
     @torch.no_grad()
-    def after_step(self) -> None:
-        """After ``optimizer.step()``: writes updated master shards into the shards; stages 1-2 all-gather them."""
+    def after_step(self, optimizer: Optimizer | None = None, clear_grads: bool = True) -> None:
+        """After ``optimizer.step()``: clears that optimizer's gradients (as ``zero_grad(set_to_none=True)``;
+        DeepSpeed's ``engine.step()`` does the same), writes its updated master shards into the parameter shards, and
+        stages 1-2 all-gather them. ``None``: every optimizer (the only one, usually). ``clear_grads=False`` keeps the
+        gradients until the optimizer's ``zero_grad()``, as a DDP parameter's ``.grad`` (the Trainer adapter: Lightning
+        zeroes them before each backward, and a step without backward, as in SWA's batch-norm epoch, reuses them as
+        under ``ddp``).
+
+        Raises:
+            ValueError: if ``optimizer`` is not one of :attr:`optimizers`.
+        """
+        stepped = self.optim.flat_params_of(optimizer)
         self.reducer.consume()
-        if not self.pipelined:  # the offload pipeline already wrote the updated shards
-            for fp in self.flat_params:
+        if self.sharded is not None:
+            # units still gathered (written outside a step, or a step without backward) hold the old values: free them
+            # (writing back only what was written to them) before the shards change
+            self.sharded.reshard_all()
+        if self.offload is not None:
+            self.offload.gradients_consumed(stepped)
+        for fp in stepped:
+            if clear_grads:
+                fp.master.grad = None
+            if not isinstance(self.optim.optimizer_of(fp), OffloadedAdam):  # the pipeline wrote its shards already
                 fp.load_master_into_shard()
         if self.sharded is not None:
+            ids = {id(fp) for fp in stepped}
             for i, unit in enumerate(self.sharded.units):
-                if unit.persistent:
+                if unit.persistent and any(id(fp) in ids for fp in unit.flat_params):
                     self.sharded.reshard(i, force=True)  # gathered again, with the new values, at its next use
-        self._gather_full_params()
+        self._gather_full_params(stepped)
+        for stats in self._comm_stats.values():
+            stats.end_step()
+
+    def comm_stats(self) -> dict:
+        """Bytes this rank sent through the engine's collectives, per kind (all-gather, reduce-scatter, all-reduce),
+        for the last step (everything between the last two :meth:`after_step` calls), the open one and in total; per
+        process group (``shard``, and ``replicate`` with hybrid sharding) and summed. See :mod:`zeroshard.comm_stats`
+        for the fields (``bytes``: ring volume we ask of the process group; ``wire_bytes``: what gloo really sends).
+        """
+        return summarize(self._comm_stats)
 
     # -- global gradient norm -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips master gradients by their global norm across all shards; returns the norm before clipping."""
-        return clip_grads_(master_gradients(self.optimizer), max_norm, norm_type, self.process_group)
+        """Clips every optimizer's master gradients by their global norm across all shards; returns the norm before
+        clipping. One optimizer: an :class:`~zeroshard.offload.OffloadedAdam` folds the coefficient into its step
+        (:func:`clip_master_grads_`)."""
+        if len(self.optimizers) == 1:
+            return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group)
+        grads = [g for opt in self.optimizers for g in master_gradients(opt)]
+        return clip_grads_(grads, max_norm, norm_type, self.process_group)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
-    def optimizer_state_dict(self) -> dict:
-        """Consolidated optimizer state in torch's format on rank 0 (``{}`` elsewhere); collective."""
-        return consolidated_state_dict(self.optimizer, self.flat_params, self.original_groups, self.collectives)
+    def optimizer_state_dict(self, optimizer: Optimizer | None = None) -> dict:
+        """Consolidated state of ``optimizer`` (default: the only one) in torch's format on rank 0 (``{}``
+        elsewhere), numbered as torch numbers that optimizer's parameters; collective."""
+        oi = self.optim.index(optimizer or self.optimizer)
+        return consolidated_state_dict(
+            self.optimizers[oi],
+            self.optim.flat_params_of(self.optimizers[oi]),
+            self.original_groups[self.optim.group_slice(oi)],
+            self.collectives,
+        )
 
-    def load_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Loads a consolidated (or plain torch) optimizer state dict; each rank keeps its shards."""
-        load_consolidated_state_dict(self.optimizer, self.flat_params, self.original_groups, state_dict)
+    def load_optimizer_state_dict(self, state_dict: dict, optimizer: Optimizer | None = None) -> None:
+        """Loads a consolidated (or plain torch) state dict into ``optimizer`` (default: the only one); each rank keeps
+        its shards."""
+        oi = self.optim.index(optimizer or self.optimizer)
+        load_consolidated_state_dict(
+            self.optimizers[oi],
+            self.optim.flat_params_of(self.optimizers[oi]),
+            self.original_groups[self.optim.group_slice(oi)],
+            state_dict,
+        )
 
     @torch.no_grad()
     def after_params_loaded(self) -> None:
@@ -336,12 +450,17 @@ class ZeroEngine:
     # -- full parameters ----------------------------------------------------------------------------------------------
 
     @contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every parameter whole on this rank for the duration (stage 3 gathers all units; collective)."""
+    def gathered(self, writeback: bool = True) -> Iterator[None]:
+        """Every parameter whole on this rank for the duration (stage 3 gathers all units; collective). With
+        ``writeback``, what this rank wrote into them goes back into its shards (and fp32 masters) on exit."""
         if self.sharded is None:
             yield
             return
+        self.sharded.release_accessed()
         self.sharded.unshard_all()
+        if writeback:
+            for unit in self.sharded.units:
+                self.sharded.may_write(unit)
         self.sharded.pinned = True
         try:
             yield
@@ -360,7 +479,7 @@ class ZeroEngine:
         if self.sharded is not None:
             keys_of: dict[int, list[str]] = {}
             for k, v in refs.items():
-                keys_of.setdefault(id(v), []).append(k)
+                keys_of.setdefault(id(real_parameter(v)), []).append(k)
             for i, unit in enumerate(self.sharded.units):
                 self.sharded.unshard(i)
                 if self.rank == 0:
@@ -388,7 +507,8 @@ class ZeroEngine:
         missing, unexpected = sorted(set(refs) - set(state_dict)), sorted(set(state_dict) - set(refs))
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
-        key_of = {id(v): k for k, v in refs.items() if k in state_dict}
+        key_of = {id(real_parameter(v)): k for k, v in refs.items() if k in state_dict}
+        self.sharded.release_accessed()
         for i, unit in enumerate(self.sharded.units):
             self.sharded.unshard(i)
             for fp in unit.flat_params:
@@ -401,7 +521,7 @@ class ZeroEngine:
             self.sharded.reshard(i)
         params = {id(p) for u in self.sharded.units for fp in u.flat_params for p in fp.params}
         for k, v in refs.items():
-            if id(v) not in params and k in state_dict:
+            if id(real_parameter(v)) not in params and k in state_dict:
                 v.data.copy_(state_dict[k])
 
     # -- loading from per-parameter sources ------------------------------------------------------------------------
@@ -416,6 +536,8 @@ class ZeroEngine:
         (the parameter keeps its current values). Stages 1-2 then all-gather the full parameters; stage 3 gathers
         them on use.
         """
+        if self.sharded is not None:
+            self.sharded.release_accessed()
         for fp in self.all_flat_params:
             # into the fp32 master when it is separate (mixed precision), so loading loses nothing to bf16 rounding
             separate = fp.master is not None and not fp.master_aliases_shard
@@ -434,29 +556,31 @@ class ZeroEngine:
         """Every flat parameter, frozen ones included, in a fixed order (units at stage 3, buckets at stages 1-2)."""
         return [fp for u in self.sharded.units for fp in u.flat_params] if self.sharded else list(self.flat_params)
 
-    def _gather_full_params(self) -> None:
-        """Stages 1-2: every rank's shards into every full buffer (bucketed all-gather); stage 3 gathers on use."""
-        if self.sharded is None and self.flat_params:
+    def _gather_full_params(self, flat_params: list[FlatParam] | None = None) -> None:
+        """Stages 1-2: every rank's shards into the full buffers of ``flat_params`` (default: all; bucketed
+        all-gather); stage 3 gathers on use."""
+        flat_params = self.flat_params if flat_params is None else flat_params
+        if self.sharded is None and flat_params:
             self.collectives.all_gather(
-                [fp.shard for fp in self.flat_params],
-                [fp.full for fp in self.flat_params],
+                [fp.shard for fp in flat_params],
+                [fp.full for fp in flat_params],
                 self.config.allgather_bucket_size,
             ).wait()
 
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Parameters no flat parameter holds (frozen or optimizer-less ones at stages 1-2): whole on every rank."""
         held = {id(p) for fp in self.all_flat_params for p in fp.params}
-        return [(n, p) for n, p in self.module.named_parameters() if id(p) not in held]
+        return [(n, p) for n, p in self.module.named_parameters() if id(real_parameter(p)) not in held]
 
     # -- helpers ------------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Rank 0's values to every rank, as DDP does at construction."""
-        if self.world_size == 1:
+        if dist.get_world_size(self.groups.world) == 1:
             return
-        for t in tensors:
-            dist.broadcast(t.data, src=0, group=self.process_group)
+        for t in tensors:  # over every data-parallel rank: replicas must start equal too
+            dist.broadcast(t.data, group=self.groups.world, group_src=0)
 
     def memory_summary(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by kind: ``params`` (whole at stages 1-2, shards at 3), ``master``
@@ -471,7 +595,7 @@ class ZeroEngine:
             out["grads"] += fp.layout.shard_numel * 4  # the fp32 gradient shard
             if fp.full_grad is not None:  # stage 1 keeps its full gradient buffer between steps
                 out["grads"] += fp.full_grad.numel() * fp.full_grad.element_size()
-            for v in self.optimizer.state.get(fp.master, {}).values():
+            for v in self.optim.optimizer_of(fp).state.get(fp.master, {}).values():
                 if torch.is_tensor(v):
                     out["optimizer_state"] += v.numel() * v.element_size()
         return out
@@ -487,6 +611,22 @@ def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+def clip_master_grads_(
+    optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clips ``optimizer``'s master gradients by their global norm (:func:`clip_grads_`); returns the norm.
+
+    An :class:`~zeroshard.offload.OffloadedAdam` keeps the coefficient and multiplies by it in its next step, and the
+    norm accounts for an fp16 unscale it was handed the same way: no pass over the host gradients for either.
+    """
+    opt = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
+    if isinstance(opt, OffloadedAdam):
+        grads = opt.gradients()
+        return clip_grads_(grads, max_norm, norm_type, group, prescale=opt.grad_unscale, apply=opt.fold_grad_clip)
+    return clip_grads_(master_gradients(optimizer), max_norm, norm_type, group)
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     shards: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -496,7 +636,13 @@ def clip_grad_norm_(
 
 @torch.no_grad()
 def clip_grads_(
-    grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+    grads: list[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    prescale: float = 1.0,
+    apply: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients sharded across ``group``.
 
@@ -508,6 +654,9 @@ def clip_grads_(
         grads: this rank's gradient shards (any device and floating dtype), scaled in place.
         max_norm: the largest allowed global norm.
         norm_type: 2.0 or ``inf``.
+        prescale: a factor still to be applied to the gradients (a power of two: fp16's ``1 / loss_scale``); the
+            norm is that of the scaled gradients.
+        apply: called with the coefficient (0-dim fp32) instead of scaling ``grads`` in place.
 
     Returns:
         The global norm before clipping, a 0-dim fp32 tensor on the first gradient's device (CPU if none).
@@ -531,7 +680,12 @@ def clip_grads_(
         total = local
     else:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) is not supported: use 2.0 or inf")
+    if prescale != 1.0:
+        total = total * prescale  # exact for a power of two
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    if apply is not None:
+        apply(clip_coef)
+        return total.to(device)
     for g in grads:
         g.mul_(clip_coef.to(g.device))
     return total.to(device)

@@ -93,6 +93,10 @@ class FlatParam:
         self.offload = offload
         self.host_shard = host_shard
         self.device = params[0].device
+        self.shapes = [tuple(p.shape) for p in params]
+        self.slots: list[list[tuple[dict, str]]] | None = None  # stage 3: where each parameter is registered
+        self.placeholders = None  # stage 3: ShardedParameter per parameter, in the slots while freed
+        self._snapshot: torch.Tensor | None = None  # the shard when gathered, while writes may be written back
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
@@ -142,22 +146,106 @@ class FlatParam:
     def free_full(self) -> None:
         """Gives the full buffer's memory back.
 
-        The parameters keep their shapes but their ``.data`` becomes a NaN placeholder of that shape that takes no
-        memory (an expanded 1-element tensor): a read outside a gather gives NaNs and a write fails, instead of
-        reading freed memory. ``.data`` swaps do not bump the version counter, so tensors autograd saved in forward
-        stay valid once :meth:`alloc_full` points the parameters back into the buffer.
+        The parameters' own ``.data`` becomes a NaN tensor of their shape that takes no memory (an expanded 1-element
+        tensor: internal code keeps the shapes, and a stale use inside autograd reads NaN, not freed memory) and, once
+        :meth:`attach` gave the module slots, every slot holds the parameter's
+        :class:`~zeroshard.sharded_param.ShardedParameter` (right shape, no memory; reads and writes go to the
+        runtime). ``.data`` swaps do not bump the version counter, so tensors autograd saved in forward stay valid once
+        :meth:`alloc_full` points the parameters back into the same storage.
         """
-        self.full.untyped_storage().resize_(0)
+        storage = self.full.untyped_storage()
+        try:
+            storage.resize_(0)
+        except RuntimeError:
+            # Not resizable: something outside holds the buffer (``p.numpy()`` inside gathered_parameters). Leave the
+            # old memory to it and continue on a fresh storage (allocated, then released at once).
+            fresh = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            fresh.untyped_storage().resize_(0)
+            self.full = fresh
+        nan = _nan(self.dtype, self.device)
         for p in self.params:
-            p.data = _placeholder(p.dtype, p.device).expand(p.shape)
+            p.data = nan.expand(p.shape)
         self.is_gathered = False
 
     def alloc_full(self) -> None:
-        """Re-allocates the full buffer's memory (uninitialised) ahead of an all-gather into it."""
+        """Re-allocates the full buffer's memory (uninitialised) ahead of an all-gather into it; the parameters view
+        it again. The module slots get the parameters back once the gather is complete (:attr:`is_gathered`)."""
         if self.full.untyped_storage().size() == 0:
             self.full.untyped_storage().resize_(self.full_nbytes)
             for p, view in zip(self.params, self.layout.views(self.full)):
                 p.data = view
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether :attr:`full` holds the whole parameters (stage 3: between a completed all-gather and the next
+        free). Setting it installs the parameters (True) or their placeholders (False) in the module slots."""
+        return self._gathered
+
+    @is_gathered.setter
+    def is_gathered(self, value: bool) -> None:
+        self._gathered = value
+        self._install(self.params if value else self.placeholders)
+
+    def attach(self, slots: list[list[tuple[dict, str]]], access) -> None:
+        """Stage 3: the module slots of each parameter (``(module._parameters, name)``, several for tied ones) and
+        the runtime serving reads and writes of their placeholders while freed."""
+        from zeroshard.sharded_param import ShardedParameter
+
+        self.slots = slots
+        self.placeholders = [ShardedParameter(self, i, access) for i in range(len(self.params))]
+        self._install(self.params if self.is_gathered else self.placeholders)
+
+    def _install(self, tensors) -> None:
+        if self.slots is None or tensors is None:
+            return
+        for t, slots in zip(tensors, self.slots):
+            for container, name in slots:
+                container[name] = t
+
+    @torch.no_grad()
+    def write_param_shard(self, index: int, src: torch.Tensor) -> None:
+        """``params[index] = src`` for this rank's part only: its pieces of :attr:`shard` and of the fp32 master.
+        Every rank does the same with its own ``src`` (no communication)."""
+        if tuple(src.shape) != self.shapes[index]:
+            raise RuntimeError(
+                f"cannot copy a tensor of shape {list(src.shape)} into parameter '{self.names[index]}' of shape "
+                f"{list(self.shapes[index])}"
+            )
+        flat = src.detach().reshape(-1)
+        separate = self.master is not None and not self.master_aliases_shard
+        for pi, p_off, s_off, n in self.layout.shard_slices(self.rank):
+            if pi == index:
+                piece = flat[p_off : p_off + n]
+                self.shard[s_off : s_off + n].copy_(piece)
+                if separate:
+                    self.master.detach()[s_off : s_off + n].copy_(piece)
+
+    @torch.no_grad()
+    def snapshot(self) -> None:
+        """Remembers :attr:`shard` as gathered, so that :meth:`write_back` can tell what was written since (a copy of
+        this rank's shard; kept only while the unit may be written outside a step)."""
+        if self._snapshot is None:
+            self._snapshot = self.shard.clone()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """The gathered values may have been written (outside a step): the elements of this rank's slice of
+        :attr:`full` that differ from the :meth:`snapshot` go into :attr:`shard` and the fp32 master. Elements nobody
+        wrote keep whatever the shard holds now (an optimizer step in between) and the master its full precision."""
+        snap, self._snapshot = self._snapshot, None
+        if snap is None:
+            return
+        begin, end = self.layout.shard_range(self.rank)
+        new = self.full[begin:end]
+        changed = new.ne(snap.to(new.device))
+        if not bool(changed.any()):
+            return
+        values = new[changed]
+        mask = changed.to(self.shard.device)
+        self.shard[mask] = values.to(self.shard.device)
+        if self.master is not None and not self.master_aliases_shard:
+            master = self.master.detach()
+            master[changed.to(master.device)] = values.to(master.device, torch.float32)
 
     @property
     def grad_shard(self) -> torch.Tensor:
@@ -167,7 +255,8 @@ class FlatParam:
         return self._grad_shard
 
     def release_grad_shard(self) -> None:
-        """Drops the gradient shard once its copy to the host is enqueued (the copy queue keeps it alive until done)."""
+        """Drops the gradient shard once it was handed to the master's ``.grad`` or its copy to the host is enqueued
+        (the copy queue keeps it alive until done); the next reduction allocates a fresh one."""
         self._grad_shard = None
 
     def zero_grad_shard(self) -> None:
@@ -209,12 +298,13 @@ class FlatParam:
         )
 
 
-_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_NAN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _nan(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One element (NaN, or 0 for integer dtypes): expanded, the ``.data`` of a freed parameter."""
     key = (dtype, device)
-    if key not in _PLACEHOLDERS:
+    if key not in _NAN:
         fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
-        _PLACEHOLDERS[key] = torch.full((1,), fill, dtype=dtype, device=device)
-    return _PLACEHOLDERS[key]
+        _NAN[key] = torch.full((1,), fill, dtype=dtype, device=device)
+    return _NAN[key]

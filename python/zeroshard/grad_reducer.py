@@ -2,11 +2,11 @@
 
 During backward, a post-accumulate-grad hook on every bucketed parameter adds its fresh gradient into its bucket's
 full-size gradient buffer and drops ``param.grad``. When every parameter of a bucket has reported (and all earlier
-buckets were launched, so every rank issues collectives in one order), the bucket is reduced asynchronously while
-backward
-goes on: reduce-scatter into the gradient shard at stage 2, all-reduce at stage 1. At most ``max_inflight`` reductions
-are
-in flight; beyond that the oldest is waited on and its full buffer freed, which bounds stage 2's gradient memory.
+buckets were launched, so every rank issues collectives in one order), the bucket is reduce-scattered into its gradient
+shard asynchronously while backward goes on. At every stage that is the only gradient collective: stage 1 keeps the
+whole gradient buffer (zeroed after the reduction, for the next accumulation) but needs only its shard reduced, so its
+traffic is DDP's (ZeRO paper section 5: P_os has DDP's volume). At most ``max_inflight`` reductions are in flight;
+beyond that the oldest is waited on and (stages 2-3) its full buffer freed, which bounds the gradient memory.
 
 When backward ends (an autograd engine callback, with the strategy's ``post_backward`` as a fallback), buckets that
 did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
@@ -34,7 +34,7 @@ class GradReducer:
     Args:
         flat_params: buckets in expected backward order (the launch order on every rank).
         collectives: ``_C.BucketedCollectives`` on the data-parallel process group.
-        stage: 1 (all-reduce, full gradients kept) or 2-3 (reduce-scatter, full buffers freed after reduction).
+        stage: 1 (full gradient buffers kept between steps) or 2-3 (full buffers freed after their reduce-scatter).
         max_inflight: reductions in flight before the oldest is waited on.
         on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
         on_reduced: called with each flat parameter once its reduced gradient shard is complete (optimizer offload
@@ -119,10 +119,7 @@ class GradReducer:
         fp = self.flat_params[fi]
         fp.full_grad_views()  # zeros if no parameter of this bucket got a gradient (unused in this step)
         scale = 1.0 / self.world_size
-        if self.stage == 1:
-            handle = self.collectives.all_reduce([fp.full_grad], fp.full_grad.numel(), scale)
-        else:
-            handle = self.collectives.reduce_scatter([fp.full_grad], [fp.grad_shard], fp.full_grad.numel(), scale, True)
+        handle = self.collectives.reduce_scatter([fp.full_grad], [fp.grad_shard], fp.full_grad.numel(), scale, True)
         self._inflight.append((fi, handle))
         self._next_launch = fi + 1
         if self.on_launch is not None:
@@ -135,8 +132,6 @@ class GradReducer:
         handle.wait()
         fp = self.flat_params[fi]
         if self.stage == 1:
-            begin, end = fp.layout.shard_range(fp.rank)
-            fp.grad_shard.add_(fp.full_grad[begin:end])
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:
             fp.free_full_grad()
@@ -171,7 +166,9 @@ class GradReducer:
 
     @torch.no_grad()
     def consume(self) -> None:
-        """Marks the reduced gradients as used by an optimizer step and zeroes the gradient shards."""
+        """Marks the reduced gradients as used by an optimizer step. The next reduction goes into fresh zeroed
+        gradient shards; the used ones stay the masters' ``.grad`` until ``optimizer.zero_grad()``, as a DDP
+        parameter's gradient does (a step without backward, e.g. SWA's batch-norm epoch, then reuses it, as there)."""
         self._grads_ready = False
         for fp in self.flat_params:
-            fp.zero_grad_shard()
+            fp.release_grad_shard()

@@ -10,6 +10,7 @@ DeepSpeed's hysteresis: the scale halves after ``hysteresis`` consecutive overfl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,9 +66,12 @@ class ShardedLossScaler:
         return loss * self.scale
 
     @torch.no_grad()
-    def unscale_and_check(self, grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> bool:
-        """Divides the gradient shards by the scale in place; returns True if any rank saw an inf or NaN
-        (collective)."""
+    def unscale_and_check(
+        self, grads: list[torch.Tensor], group: dist.ProcessGroup | None, fold: Callable[[float], None] | None = None
+    ) -> bool:
+        """Divides the gradient shards by the scale in place (or hands ``1 / scale`` to ``fold``, e.g.
+        ``OffloadedAdam.fold_grad_unscale``, which multiplies inside its step); returns True if any rank saw an inf or
+        NaN (collective)."""
         device = _comm_device(group) if dist.is_initialized() else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:
@@ -77,6 +81,9 @@ class ShardedLossScaler:
         overflow = bool(found.item())
         if not overflow:
             inv = 1.0 / self.scale
+            if fold is not None:
+                fold(inv)
+                return overflow
             for g in grads:
                 g.mul_(inv)
         return overflow

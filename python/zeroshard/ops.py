@@ -6,7 +6,7 @@ import torch
 
 from zeroshard import _C
 
-__all__ = ["adam_step"]
+__all__ = ["adam_step", "adam_traffic_reference"]
 
 
 def adam_step(
@@ -26,23 +26,27 @@ def adam_step(
     param_out: torch.Tensor | None = None,
     grad_stats: bool = False,
     isa: str | None = None,
+    grad_unscale: float = 1.0,
+    grad_clip: float = 1.0,
 ) -> tuple[float, bool] | None:
     """One fused Adam/AdamW step on CPU tensors, in place, in a single pass over memory.
 
     Per element, in torch's order (``torch.optim.AdamW`` / ``torch.optim.Adam``, single-tensor CPU path)::
 
         g = float32(grad)                             # bf16 / fp16 upcast while loading
+        g = (g * grad_unscale) * grad_clip            # only if either is not 1: two fp32 roundings, like two mul_
         g = g + weight_decay * p                      # Adam mode (adamw_mode=False), L2 penalty
         p = p * (1 - lr * weight_decay)               # AdamW mode, decoupled decay
         m = lerp(m, g, 1 - beta1)
         v = beta2 * v + (1 - beta2) * g * g
-        p = p - step_size * m / (sqrt(v) / sqrt(1 - beta2**step) + eps),  step_size = lr / (1 - beta1**step)
+        p = p - step_size * m / (sqrt(v) * (1 / sqrt(1 - beta2**step)) + eps),  step_size = lr / (1 - beta1**step)
         param_out = p.to(param_out.dtype)             # same pass
 
     With ``bias_correction=False``, ``step_size = lr`` and the ``sqrt(1 - beta2**step)`` factor is 1. The scalar
     factors are computed in double on the host and rounded to float as torch rounds them. Results match
-    ``torch.optim.AdamW`` / ``Adam`` to about 1e-7 relative per step; they are not always bit-identical because
-    this kernel's ``sqrt`` is correctly rounded while torch's CPU ``sqrt`` (MKL VML) may be 1 ulp off.
+    ``torch.optim.AdamW`` / ``Adam`` to about 1e-7 relative per step, not bit for bit: the denominator multiplies
+    by the reciprocal of ``sqrt(1 - beta2**step)`` in one fma where torch divides (one division less per element,
+    the step's most expensive operation), and torch's CPU ``sqrt`` (MKL VML) may be 1 ulp off.
 
     Args:
         param_fp32: fp32 master weights, any shape, updated in place.
@@ -61,6 +65,10 @@ def adam_step(
         grad_stats: also return the gradient statistics computed in the same pass.
         isa: ``"scalar"``, ``"avx2"`` or ``"avx512"`` to force a kernel build; default ``ZEROSHARD_CPU_ISA`` or
             the best one this CPU supports (see ``zeroshard.cpu_isa()``).
+        grad_unscale: finite, ``>= 0``: the gradient is multiplied by it first (``1 / loss_scale`` of fp16 training).
+        grad_clip: finite, ``>= 0``: then by this (the clip-by-norm coefficient). Folding both into the step saves
+            the two passes over the gradient that ``g.mul_(...)`` would take; the bits are the same for fp32
+            gradients. The statistics (``grad_stats``) are of the gradient as stored, before these factors.
 
     All tensors must be on the CPU, dense (strided) and contiguous, with no two of them sharing memory. No copy is
     made. Threads: ``torch.get_num_threads()``, over fixed 64Ki-element chunks, so results do not depend on the
@@ -95,4 +103,26 @@ def adam_step(
         param_out=param_out,
         compute_grad_stats=bool(grad_stats),
         isa=isa,
+        grad_unscale=float(grad_unscale),
+        grad_clip=float(grad_clip),
     )
+
+
+def adam_traffic_reference(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, isa: str | None = None
+) -> None:
+    """The memory traffic of :func:`adam_step` with no arithmetic: the bandwidth ceiling of an in-place update.
+
+    Reads ``param``, ``grad``, ``exp_avg``, ``exp_avg_sq`` and writes the first, third and fourth back unchanged, 28
+    bytes per element, with the same chunks, threads, loop and prefetch as the step. ``bench_cpu_adam.py`` reports
+    the step's time as a fraction of this one measured in the same run.
+
+    Args:
+        param, grad, exp_avg, exp_avg_sq: float32 CPU tensors, dense, contiguous, same number of elements, no two
+            sharing memory. Their values do not change.
+        isa: as for :func:`adam_step`.
+
+    Raises:
+        RuntimeError / TypeError / ValueError: as :func:`adam_step` for a bad tensor; TypeError if one is not float32.
+    """
+    _C.adam_traffic_reference(param, grad, exp_avg, exp_avg_sq, isa)

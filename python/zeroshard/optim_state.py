@@ -46,6 +46,8 @@ def consolidated_state_dict(
                     for pi, view in enumerate(fp.layout.views(full)):
                         per_param.setdefault((fi, pi), {})[key] = view.cpu().clone()
             elif rank == 0:
+                if key == "step" and not torch.is_tensor(value):  # CPUAdam counts in a plain number; torch's format
+                    value = torch.tensor(float(value), dtype=torch.float32)
                 for pi in range(len(fp.params)):
                     per_param.setdefault((fi, pi), {})[key] = value.clone() if torch.is_tensor(value) else value
     if rank != 0:

@@ -32,6 +32,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zeroshard.meta_init import replacement
+from zeroshard.sharded_param import real_parameter
+
 __all__ = ["LoadReport", "SafetensorsSource", "apply_recorded_pretrained", "load_pretrained"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -289,15 +292,15 @@ class _Plan:
     report: LoadReport
 
 
-def _plan(model: nn.Module, source: SafetensorsSource, strict: bool) -> _Plan:
-    """Checks names and shapes of ``model.state_dict(keep_vars=True)`` against ``source``; writes nothing.
+def _plan(model: nn.Module, source: SafetensorsSource, strict: bool, refs: dict | None = None) -> _Plan:
+    """Checks names and shapes of ``model.state_dict(keep_vars=True)`` (or ``refs``) against ``source``; writes nothing.
 
     A tensor registered under several names (tied weights) is satisfied by any one of them in the checkpoint.
 
     Raises:
         ValueError: (``strict``) listing missing keys, unexpected keys and shape mismatches.
     """
-    refs = model.state_dict(keep_vars=True)
+    refs = model.state_dict(keep_vars=True) if refs is None else refs
     aliases: dict[int, list[str]] = {}
     for k, v in refs.items():
         aliases.setdefault(id(v), []).append(k)
@@ -406,7 +409,8 @@ def load_pretrained(
       whole by every rank.
     - **On the meta device** (built under :func:`zeroshard.meta_init.init_meta_context`, no engine yet): names and
       shapes are checked now, nothing is read; the checkpoint is recorded as ``model._zeroshard_pretrained = (source,
-      key_map, strict)`` and :func:`apply_recorded_pretrained` loads it once the engine has sharded the model.
+      key_map, strict, state-dict references)`` and :func:`apply_recorded_pretrained` loads it once the engine has
+      sharded the model (into the same tensors, followed by identity if a wrapper such as ``peft`` renamed them).
     - **Materialised, no engine**: every tensor is read whole (plain load).
 
     Checks come first, before anything is written: every key of ``model.state_dict(keep_vars=True)`` (a tensor
@@ -442,7 +446,7 @@ def load_pretrained(
         return plan.report
     plan = _plan(model, source, strict)
     if _is_meta(model):
-        setattr(model, _RECORD_ATTR, (source, key_map, strict))
+        setattr(model, _RECORD_ATTR, (source, key_map, strict, model.state_dict(keep_vars=True)))
         plan.report.mode = "recorded"
         return plan.report
     start = source.bytes_read
@@ -474,8 +478,7 @@ def apply_recorded_pretrained(engine) -> list[LoadReport]:
         record = module.__dict__.get(_RECORD_ATTR)
         if record is None:
             continue
-        source, _key_map, strict = record
-        plan = _plan(module, source, strict)
+        source, plan = _recorded_plan(module, record)
         start = source.bytes_read
         _load_managed(engine, module, f"{name}." if name else "", source, plan)
         plan.report.mode = "sharded"
@@ -483,3 +486,41 @@ def apply_recorded_pretrained(engine) -> list[LoadReport]:
         del module.__dict__[_RECORD_ATTR]
         reports.append(plan.report)
     return reports
+
+
+def apply_recorded_whole(root: nn.Module) -> list[LoadReport]:
+    """Loads the checkpoints :func:`load_pretrained` recorded on a meta model that was then materialised whole, with no
+    engine (``trainer.validate/test/predict`` with no fit): every tensor is read whole, on every rank.
+
+    Returns:
+        One :class:`LoadReport` (``mode="plain"``) per recorded checkpoint, in ``named_modules()`` order.
+
+    Raises:
+        ValueError: as :func:`load_pretrained` (``strict`` as recorded).
+    """
+    reports = []
+    for module in root.modules():
+        record = module.__dict__.pop(_RECORD_ATTR, None)
+        if record is not None:
+            source, plan = _recorded_plan(module, record)
+            start = source.bytes_read
+            _load_plain(module, source, plan)
+            plan.report.mode = "plain"
+            plan.report.bytes_read = source.bytes_read - start
+            reports.append(plan.report)
+    return reports
+
+
+def _recorded_plan(module: nn.Module, record: tuple) -> tuple[SafetensorsSource, _Plan]:
+    """The plan of a recorded load, checked against the names ``module`` had when :func:`load_pretrained` was called,
+    then keyed by the names its tensors have now: a wrapper applied after the call (``peft``'s LoRA moves
+    ``c_attn.weight`` to ``c_attn.base_layer.weight``) still gets its weights, followed by tensor identity through
+    materialisation; tensors it added (the adapters) keep their own init."""
+    source, _key_map, strict, recorded = record
+    live = {k: replacement(t) for k, t in recorded.items()}
+    plan = _plan(module, source, strict, refs=live)
+    now: dict[int, list[str]] = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        now.setdefault(id(real_parameter(v)), []).append(k)  # a stage-3 module holds placeholders while sharded
+    plan.read_from = {current: src for k, src in plan.read_from.items() for current in now.get(id(live[k]), [])}
+    return source, plan

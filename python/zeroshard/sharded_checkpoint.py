@@ -3,11 +3,13 @@
 Layout of a checkpoint directory::
 
     index.json                 layouts of every flat parameter (names, shapes, offsets, shard size), optimizer param
-                               groups and scalar state, and the size and SHA-256 of every file
-    rank00000.safetensors ...  one per saving rank: its parameter shard, fp32 master shard and per-element optimizer
+                               groups and scalar state, the size and SHA-256 of every file, and the Hugging Face
+                               models inside the module (prefix, class, config; for ``consolidate --hf``)
+    rank00000.safetensors ...  one per saving rank (with hybrid sharding only replica group 0 writes; the index
+                               says so): its parameter shard, fp32 master shard and per-element optimizer
                                state shards for every flat parameter (``flat.{i}.param``, ``flat.{i}.master``,
                                ``flat.{i}.optim.{key}``) and its torch (and CUDA) RNG state (``rng.*``); rank 0 adds
-                               buffers and unsharded parameters
+                               persistent buffers and unsharded parameters
     trainer.pt                 Lightning's non-model state (loops, schedulers, RNG, precision), ``torch.save``
 
 No rank gathers anything to save. A save goes to ``<path>.partial`` and is renamed to ``<path>`` only when every rank
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from zeroshard.hf_export import describe_hf_models
 
 INDEX = "index.json"
 TRAINER_STATE = "trainer.pt"
@@ -57,14 +61,17 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     rank, world = engine.rank, engine.world_size
+    group = engine.groups.world  # every data-parallel rank takes part in the barriers
+    if engine.replicate_rank != 0:  # hybrid sharding: replica group 0 holds the same shards and writes them
+        _wait_for_writers(group)
+        return
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier(group=engine.process_group)
+    dist.barrier(group=group)
 
     tensors: dict[str, torch.Tensor] = {}
     layouts, scalar_state = [], {}
-    optimizer = engine.optimizer
     for i, fp in enumerate(engine.all_flat_params):
         tensors[f"flat.{i}.param"] = fp.shard.detach().cpu()
         entry = {
@@ -78,21 +85,19 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
         if fp.trainable:
             if not fp.master_aliases_shard:
                 tensors[f"flat.{i}.master"] = fp.master.detach().cpu()
-            for key, value in optimizer.state.get(fp.master, {}).items():
+            for key, value in engine.optim.optimizer_of(fp).state.get(fp.master, {}).items():
                 if torch.is_tensor(value) and value.dim() == 1 and value.numel() == fp.layout.shard_numel:
                     tensors[f"flat.{i}.optim.{key}"] = value.detach().cpu()
                 else:
                     scalar_state.setdefault(str(i), {})[key] = value.item() if torch.is_tensor(value) else value
-            entry["group"] = next(
-                gi for gi, g in enumerate(optimizer.param_groups) if any(p is fp.master for p in g["params"])
-            )
+            entry["group"] = engine.optim.group_index_of(fp)  # numbered across optimizers (OptimizerSet)
         layouts.append(entry)
     # this rank's random-number generators, restored when the same rank count loads the checkpoint
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     if rank == 0:
-        for name, b in engine.module.named_buffers():
+        for name, b in persistent_buffers(engine.module):
             tensors[f"buffer.{name}"] = b.detach().cpu()
         for name, p in engine.unsharded_parameters():
             tensors[f"param.{name}"] = p.detach().cpu()
@@ -100,28 +105,59 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
     info = {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file)}
 
-    infos: list[Any] = [None] * world
-    dist.all_gather_object(infos, info, group=engine.process_group)
+    infos: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(infos, info, group=group)
+    infos = [i for i in infos if i is not None]
     if rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.param_groups]
         index = {
             "format_version": FORMAT_VERSION,
             "world_size": world,
+            "replicate_size": engine.replicate_size,  # shard groups in the saving run; the files are group 0's
+            "written_by_replica": 0,
             "stage": engine.config.stage,
             "flat_params": layouts,
-            "optimizer": {"param_groups": groups, "scalar_state": scalar_state},
+            "optimizer": {
+                "param_groups": groups,
+                "scalar_state": scalar_state,
+                "group_optimizer": engine.optim.group_optimizer,  # which optimizer owns each group
+            },
             "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
             "aliases": _aliases(engine.module),
+            "hf_models": describe_hf_models(engine.module),  # what `consolidate --hf` needs: prefix, config
         }
         (partial / INDEX).write_text(json.dumps(index, indent=1, default=str))
         torch.save(trainer_state or {}, partial / TRAINER_STATE)
         old = path.with_name(path.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
+        _remove(old)
+        if path.exists() or path.is_symlink():
             path.rename(old)
         partial.rename(path)  # the commit point: before it, `path` is the previous checkpoint, whole
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=engine.process_group)
+        _remove(old)
+    dist.barrier(group=group)
+
+
+def _wait_for_writers(group) -> None:
+    """The collectives of :func:`save_sharded` on a rank that writes nothing (another replica group writes)."""
+    dist.barrier(group=group)
+    dist.all_gather_object([None] * dist.get_world_size(group), None, group=group)
+    dist.barrier(group=group)
+
+
+def _remove(path: Path) -> None:
+    """Removes a directory tree, a file or a symbolic link (``save_last="link"`` makes ``last.ckpt`` a link to a
+    checkpoint directory: the link goes, its target stays). Errors are ignored: this only tidies up."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` for the buffers ``module.state_dict()`` holds: non-persistent ones (e.g. rotary ``inv_freq``,
+    recomputed at init) are neither saved nor loaded, so a checkpoint loads strictly into a fresh model."""
+    keys = set(module.state_dict(keep_vars=True))
+    return [(name, b) for name, b in module.named_buffers() if name in keys]
 
 
 def _aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -215,11 +251,19 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
     # the fp32 master where one was saved (else the parameter), into the master or, when it aliases it, the shard
     engine.load_shards_from(lambda name, a, b, out: saved.read("master", name, a, b, out))
 
-    optimizer = engine.optimizer
-    for group, saved_group in zip(optimizer.param_groups, index["optimizer"]["param_groups"]):
+    saved_groups = index["optimizer"]["param_groups"]
+    saved_owner = index["optimizer"].get("group_optimizer", [0] * len(saved_groups))
+    if saved_owner != engine.optim.group_optimizer:
+        raise ValueError(
+            f"sharded checkpoint {path}: its optimizers own param groups {saved_owner} (optimizer index per group), "
+            f"this run's own {engine.optim.group_optimizer}: build the same optimizers and param groups as the run "
+            "that saved it"
+        )
+    for group, saved_group in zip(engine.optim.param_groups, saved_groups):
         for k, v in saved_group.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v  # JSON turned tuples (betas) into lists
-    optimizer.state.clear()
+    for optimizer in engine.optimizers:
+        optimizer.state.clear()
     scalar_state = index["optimizer"]["scalar_state"]
     for fp in engine.flat_params:
         first = fp.names[0]
@@ -236,14 +280,21 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
         for key, value in scalar_state.get(str(i), {}).items():
             state[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
         if state:
-            optimizer.state[fp.master] = state
-    for name, b in engine.module.named_buffers():
+            engine.optim.optimizer_of(fp).state[fp.master] = state
+    for name, b in persistent_buffers(engine.module):
         b.copy_(saved.read_whole(f"buffer.{name}"))
     for name, p in engine.unsharded_parameters():
         p.data.copy_(saved.read_whole(f"param.{name}"))
-    if index["world_size"] == engine.world_size:  # same ranks: each continues its own random stream
+    same_layout = index["world_size"] == engine.world_size and index.get("replicate_size", 1) == engine.replicate_size
+    if same_layout and engine.replicate_rank == 0:  # same ranks: each continues its own random stream
         own = safe_open(str(path / _rank_file(engine.rank)), framework="pt")
         torch.set_rng_state(own.get_tensor("rng.torch"))
         if "rng.cuda" in own.keys() and torch.cuda.is_available():
             torch.cuda.set_rng_state(own.get_tensor("rng.cuda"))
-    return torch.load(path / TRAINER_STATE, weights_only=False)
+    return read_trainer_state(path)
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's non-model state saved with the checkpoint (loops, schedulers, ``hyper_parameters``, the
+    ``pytorch-lightning_version`` key, ...); ``{}`` for a checkpoint saved without one."""
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)

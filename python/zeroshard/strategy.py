@@ -1,10 +1,12 @@
-"""ZeroStrategy: zeroshard's ZeRO engine as a Lightning strategy.
+"""ZeroStrategy: zeroshard's ZeRO engine as a strategy for ``lightning.Trainer`` (the Trainer adapter).
 
 It subclasses Lightning's ``DDPStrategy`` for everything that is not ZeRO: the launcher (``devices=N`` re-runs the
 script per rank, or ``torchrun`` sets the ranks), process-group set-up (gloo on CPU, NCCL on CUDA), the distributed
 sampler, ``self.log(..., sync_dist=True)``, barriers and broadcasts. Instead of wrapping the model in
-``DistributedDataParallel`` it builds a :class:`~zeroshard.engine.ZeroEngine` over the LightningModule and the optimizer
-from ``configure_optimizers`` (the same place Lightning's ``DeepSpeedStrategy`` builds its engine).
+``DistributedDataParallel`` it has its :class:`~zeroshard.strategy_core.StrategyCore` build a
+:class:`~zeroshard.engine.ZeroEngine` over the LightningModule and the optimizers from ``configure_optimizers`` (the
+same place Lightning's ``DeepSpeedStrategy`` builds its engine). :class:`zeroshard.ZeroFabricStrategy` is the same core
+behind Fabric's API.
 """
 
 from __future__ import annotations
@@ -22,12 +24,19 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from zeroshard.activation_checkpointing import apply_activation_checkpointing
 from zeroshard.config import ZeroConfig
+from zeroshard.consolidate import lightning_checkpoint
 from zeroshard.engine import ZeroEngine
-from zeroshard.meta_init import has_meta, init_meta_context
+from zeroshard.meta_init import has_meta, materialize_module_
 from zeroshard.precision import ZeroPrecision
+from zeroshard.pretrained import apply_recorded_whole
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
+from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
+from zeroshard.strategy_settings import register_names
+
+# ``tensor_init_context()`` called without an argument: Lightning's ``configure_model`` path (``trainer.init_module``
+# passes ``empty_init`` explicitly).
+_FROM_CONFIGURE_MODEL: Any = object()
 
 _SHARDED_LOADED = "_zeroshard_sharded_checkpoint_loaded"
 
@@ -42,7 +51,9 @@ class ZeroStrategy(DDPStrategy):
 
     Args:
         stage: ZeRO stage: 1 shards optimizer state and fp32 master weights; 2 also shards gradients; 3 also shards
-            the parameters, all-gathered per unit on use (Rajbhandari et al. 2020, "ZeRO", section 5).
+            the parameters, all-gathered per unit on use (Rajbhandari et al. 2020, "ZeRO", section 5). ``"auto"``:
+            the planner (:mod:`zeroshard.plan`) picks stage, offload and shard group size at setup, the fastest that
+            fits this job's memory with a margin, and logs the choice and the runners-up (``strategy.auto_plan``).
         offload_optimizer: master weights and optimizer state in host memory, stepped by the fused CPU Adam in a
             pipeline with the copies (Adam/AdamW are converted; ZeRO-Offload, Ren et al. 2021;
             :mod:`zeroshard.offload`).
@@ -50,6 +61,9 @@ class ZeroStrategy(DDPStrategy):
         offload_params: stage 3 with ``offload_optimizer``: parameter shards live in pinned host memory and are copied
             in just before their (prefetched) all-gather.
         offload_chunk_size: elements per chunk of the pipelined host step.
+        overlap_step: with ``offload_optimizer``: step each bucket on the host as soon as its gradient arrives,
+            during backward (:mod:`zeroshard.overlap`); with ``gradient_clip_val`` or ``precision="16-mixed"`` the step
+            runs after backward instead, with clipping and unscaling folded into it.
         reduce_bucket_size: elements per gradient bucket (one collective each).
         allgather_bucket_size: elements per all-gather of updated parameters.
         max_inflight_buckets: gradient reductions in flight during backward.
@@ -62,6 +76,12 @@ class ZeroStrategy(DDPStrategy):
             (default: ``reset_parameters()``).
         param_persistence_threshold: stage 3: units smaller than this many elements stay gathered (no collectives).
         reduce_dtype: dtype gradients are reduced in; default fp32 (``torch.bfloat16`` halves bf16-mixed traffic).
+        shard_group_size: hybrid sharding: shard over groups of this many consecutive ranks (e.g. the GPUs of a node)
+            and replicate across the groups; gradients are reduce-scattered in the group, then all-reduced across
+            groups over the shard only (:mod:`zeroshard.hybrid`). Default: shard over every rank.
+        device_mesh: instead of ``shard_group_size``, a 2-D ``(replicate, shard)`` ``DeviceMesh`` (FSDP2's HSDP form).
+        plan_options: with ``stage="auto"``: ``margin`` (fraction of memory kept free, default 0.1), ``micro_batch``
+            and ``seq_len`` (for the activation estimate), ``cluster`` (a :class:`zeroshard.plan.Cluster`).
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
             recompute their forward in backward (``torch.utils.checkpoint``, non-reentrant).
         offload_activations: keep the checkpointed modules' saved inputs in host memory (pinned on CUDA).
@@ -72,18 +92,30 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout; a rank that stops answering ends the job with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
+        **aliases: Lightning's ``DeepSpeedStrategy``/``FSDPStrategy`` spellings with the same meaning:
+            ``offload_parameters`` (= ``offload_params``), ``cpu_checkpointing`` (= ``offload_activations``),
+            ``auto_wrap_policy`` (= ``wrap_policy``; a set of classes, ``ModuleWrapPolicy`` or
+            ``partial(transformer_auto_wrap_policy, transformer_layer_cls=...)``), ``activation_checkpointing_policy``
+            (= ``activation_checkpointing``), ``offload_optimizer_device="cpu"``, ``offload_params_device="cpu"``.
+            Their other arguments (``cpu_offload``, ``sharding_strategy``, ``mixed_precision``, ...) raise an error
+            naming the setting to use (:mod:`zeroshard.strategy_settings`).
+
+    Several optimizers (a GAN with manual optimization) share one engine, each with the master shards of its own param
+    groups; gradients behave as ``param.grad`` does under DDP (:class:`~zeroshard.engine.ZeroEngine`), and
+    ``toggle_optimizer`` works. After a ``bf16-mixed``/``16-mixed`` fit at stages 1-2 the module's parameters are fp32
+    again (the master weights), as under DDP; at stage 3 they stay sharded in the compute dtype.
 
     Raises:
-        ValueError: at construction, for an unknown stage or an impossible setting, naming it.
+        ValueError: at construction, for an unknown stage or an impossible setting, naming it (and for a DeepSpeed/FSDP
+            argument with no equivalent, naming ours); TypeError for an unknown argument.
         ValueError: when the Trainer is built, for a precision this version does not support.
-        RuntimeError: at setup, if ``configure_optimizers`` returns more than one optimizer.
     """
 
     strategy_name = "zeroshard"
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: int | str = 2,
         offload_optimizer: bool = False,
         reduce_bucket_size: int = 25_000_000,
         allgather_bucket_size: int = 25_000_000,
@@ -91,12 +123,16 @@ class ZeroStrategy(DDPStrategy):
         *,
         offload_params: bool = False,
         offload_chunk_size: int = 4 * 1024 * 1024,
+        overlap_step: bool = False,
         wrap_policy=None,
         prefetch: bool = True,
         check_gather_order: bool = False,
         param_init_fn=None,
         reduce_dtype: torch.dtype | None = None,
         param_persistence_threshold: int = 0,
+        shard_group_size: int | None = None,
+        device_mesh=None,
+        plan_options: dict | None = None,
         activation_checkpointing=None,
         offload_activations: bool = False,
         state_dict_type: Literal["full", "sharded"] = "sharded",
@@ -108,21 +144,33 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **aliases: Any,
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_params=offload_params,
-            offload_chunk_size=offload_chunk_size,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            max_inflight_buckets=max_inflight_buckets,
-            wrap_policy=wrap_policy,
-            prefetch=prefetch,
-            check_gather_order=check_gather_order,
-            param_init_fn=param_init_fn,
-            reduce_dtype=reduce_dtype,
-            param_persistence_threshold=param_persistence_threshold,
+        self._core = StrategyCore(
+            type(self).__name__,
+            dict(
+                stage=stage,
+                offload_optimizer=offload_optimizer,
+                offload_params=offload_params,
+                offload_chunk_size=offload_chunk_size,
+                overlap_step=overlap_step,
+                reduce_bucket_size=reduce_bucket_size,
+                allgather_bucket_size=allgather_bucket_size,
+                max_inflight_buckets=max_inflight_buckets,
+                wrap_policy=wrap_policy,
+                prefetch=prefetch,
+                check_gather_order=check_gather_order,
+                param_init_fn=param_init_fn,
+                reduce_dtype=reduce_dtype,
+                param_persistence_threshold=param_persistence_threshold,
+                shard_group_size=shard_group_size,
+                device_mesh=device_mesh,
+                plan_options=plan_options,
+                activation_checkpointing=activation_checkpointing,
+                offload_activations=offload_activations,
+                state_dict_type=state_dict_type,
+                **aliases,
+            ),
         )
         super().__init__(
             accelerator=accelerator,
@@ -134,16 +182,19 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._engine: ZeroEngine | None = None
-        if activation_checkpointing is None and offload_activations:
-            raise ValueError(
-                "ZeroStrategy(offload_activations=True) needs activation_checkpointing=<module class or policy>."
-            )
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"ZeroStrategy(state_dict_type={state_dict_type!r}) must be 'full' or 'sharded'.")
-        self._state_dict_type = state_dict_type
-        self._activation_checkpointing = activation_checkpointing
-        self._offload_activations = offload_activations
+        self._state_dict_type = self._core.state_dict_type
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        return self._core.config
+
+    @property
+    def _engine(self) -> ZeroEngine | None:
+        return self._core.engine
+
+    @_engine.setter
+    def _engine(self, engine: ZeroEngine | None) -> None:
+        self._core.engine = engine
 
     # -- precision ----------------------------------------------------------------------------------------------------
 
@@ -155,18 +206,9 @@ class ZeroStrategy(DDPStrategy):
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Accepts the plugin Lightning builds from ``Trainer(precision=...)`` and turns it into a ZeroPrecision."""
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision_plugin = plugin
-        elif type(plugin) is Precision:
-            self._precision_plugin = ZeroPrecision("32-true")
-        elif isinstance(plugin, MixedPrecision):
-            self._precision_plugin = ZeroPrecision(plugin.precision, device=plugin.device)
-        else:
-            raise ValueError(
-                f"ZeroStrategy cannot use the precision plugin {type(plugin).__name__} "
-                f"(precision={getattr(plugin, 'precision', '?')!r}): use Trainer(precision='32-true', 'bf16-mixed' or "
-                "'16-mixed')."
-            )
+        self._precision_plugin = ZeroPrecision.from_lightning(
+            plugin, Precision, MixedPrecision, "ZeroStrategy", "Trainer"
+        )
 
     # -- setup and teardown -------------------------------------------------------------------------------------------
 
@@ -178,55 +220,78 @@ class ZeroStrategy(DDPStrategy):
         if not has_meta(self.lightning_module):
             self.model_to_device()  # a meta model is materialised on the device by the engine, unit by unit
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise RuntimeError(
-                    f"ZeroStrategy shards one optimizer; configure_optimizers returned {len(self.optimizers)}. "
-                    "Put all parameters into one optimizer with several param groups."
-                )
-            self._build_engine(self._unwrap(self.optimizers[0]))
+            self.setup_optimizers(trainer)  # several optimizers need manual optimization (Lightning checks it)
+            self._build_engine()
         elif self._engine is None or self._engine.sharded is None:
-            self._engine = None
-            self._sync_module_states()
+            previous = getattr(self.lightning_module, "_zeroshard_engine", None)
+            if previous is not None and previous.sharded is not None:
+                self._engine = previous  # a model sharded by an earlier fit (another Trainer): its shards serve
+            else:
+                self._engine = None
+                if has_meta(self.lightning_module):  # validate/test/predict with no fit: whole parameters everywhere
+                    materialize_module_(
+                        self.lightning_module, self.root_device, param_init_fn=self.zero_config.param_init_fn
+                    )
+                    apply_recorded_whole(self.lightning_module)  # zeroshard.load_pretrained called on the meta model
+                self._sync_module_states()
         # else: a stage-3 engine from an earlier fit keeps serving validate/test/predict with sharded parameters
+        # the engine holds the parameters in the compute dtype; without one they are the module's own (autocast)
+        self.precision_plugin.params_in_compute_dtype = self._engine is not None
         self.setup_precision_plugin()
 
-    def _build_engine(self, optimizer: Optimizer) -> None:
+    def _build_engine(self) -> None:
         assert self.lightning_module is not None
-        previous = getattr(self.lightning_module, "_zeroshard_engine", None)
-        if previous is not None and previous.sharded is not None:
-            previous.sharded.unshard_all()  # a new fit re-shards from whole parameters
-            previous.remove_hooks()
-        if self._activation_checkpointing is not None:
-            apply_activation_checkpointing(
-                self.lightning_module, self._activation_checkpointing, offload_to_cpu=self._offload_activations
-            )
-        engine = ZeroEngine(
+        optimizers = [self._unwrap(opt) for opt in self.optimizers]
+        trainer = self.lightning_module.trainer
+        engine = self._core.build_engine(
             self.lightning_module,
-            optimizer,
-            self.zero_config,
+            optimizers,
             compute_dtype=self.precision_plugin.compute_dtype,
             local_world_size=self.num_processes,
+            device=self.root_device.type,
+            grad_accum=trainer.accumulate_grad_batches if trainer is not None else 1,
         )
-        if engine.optimizer is not optimizer:
-            for config in self.lr_scheduler_configs:
-                config.scheduler.optimizer = engine.optimizer
-            self.optimizers = [engine.optimizer]
-        self._engine = engine
+        self.precision_plugin.grad_norm_group = engine.process_group  # the shards' group, one replica of the state
+        if engine.offload is not None:  # clip coefficient / fp16 overflow are global: no bucket steps before them
+            engine.offload.global_scale_expected = (
+                trainer is not None and bool(trainer.gradient_clip_val)
+            ) or self.precision_plugin.scaler is not None
+        if any(new is not old for new, old in zip(engine.optimizers, optimizers)):
+            replace_optimizers(
+                optimizers, engine.optimizers, [config.scheduler for config in self.lr_scheduler_configs]
+            )
+            self.optimizers = list(engine.optimizers)
 
-    @torch.no_grad()
+    @property
+    def auto_plan(self) -> dict | None:
+        """With ``stage="auto"``: the planner's report of the configuration chosen at setup (``choice``,
+        ``runners_up``, every row, ``message``); ``None`` before setup or with a fixed stage."""
+        return self._core.auto_plan
+
     def _sync_module_states(self) -> None:
-        if not torch.distributed.is_initialized() or self.world_size == 1:
-            return
         assert self.lightning_module is not None
-        for t in list(self.lightning_module.parameters()) + list(self.lightning_module.buffers()):
-            torch.distributed.broadcast(t.data, src=0)
+        broadcast_module_states(self.lightning_module)
 
     def teardown(self) -> None:
         # The engine stays so that `trainer.save_checkpoint` after `fit` still finds the sharded optimizer state. At
         # stage 3 its gather hooks stay too: the parameters exist only as shards, and validate/test use them.
         if self._engine is not None and self._engine.sharded is None:
             self._engine.remove_hooks()
+            # stages 1-2 after fit: the module's parameters in their own dtype again, as under DDP
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._core.restore_full_precision()
+        module = self._lightning_module
+        if module is not None and (has_meta(module) or (self._engine is not None and self._engine.sharded)):
+            # Lightning's teardown moves the module to the CPU. A model still (partly) on meta after a failed setup
+            # cannot be copied (that second error would hide the first), and a stage-3 model lives in the engine's
+            # shards: leave both where they are.
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     @property
@@ -239,26 +304,24 @@ class ZeroStrategy(DDPStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skips gradient communication for the non-final micro-batches of gradient accumulation."""
-        if self._engine is None:
+        with self._core.no_backward_sync():
             yield
-            return
-        self._engine.require_grad_sync = False
-        try:
-            yield
-        finally:
-            self._engine.require_grad_sync = True
 
-    def tensor_init_context(self, empty_init: bool | None = None):
-        """``trainer.init_module(empty_init=True)`` builds on the meta device; otherwise Lightning's default."""
+    def tensor_init_context(self, empty_init: bool | None = _FROM_CONFIGURE_MODEL):
+        """Builds on the meta device with ``trainer.init_module(empty_init=True)``, and for ``configure_model`` at
+        stage 3 (each rank then allocates only its shards); otherwise Lightning's default.
+
+        This replaces a ``model_sharded_context`` override: Lightning warns in ``trainer.init_module`` for any strategy
+        that has one ("cannot fully support proper instantiation"), while ``init_module(empty_init=True)`` is fully
+        supported here: the engine materialises the meta model unit by unit at setup.
+        """
+        if empty_init is _FROM_CONFIGURE_MODEL:
+            if self.zero_config.stage == 3:
+                return self._core.meta_init_context()
+            empty_init = None
         if empty_init:
-            return init_meta_context()
+            return self._core.meta_init_context()
         return super().tensor_init_context(empty_init)
-
-    def model_sharded_context(self):
-        """Stage 3 builds ``configure_model``'s layers on the meta device; each rank then allocates only its shards."""
-        if self.zero_config.stage == 3:
-            return init_meta_context()
-        return super().model_sharded_context()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -298,7 +361,7 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._engine is not None:
-            self._engine.after_step()
+            self._engine.after_step(self._unwrap(optimizer), clear_grads=False)  # Lightning calls zero_grad
         return output
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -314,10 +377,8 @@ class ZeroStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if is_sharded_checkpoint(checkpoint_path):
-            if self._engine is None:
-                raise RuntimeError(
-                    f"{checkpoint_path} is a sharded checkpoint; it loads during trainer.fit(ckpt_path=...)"
-                )
+            if self._engine is None:  # validate/test/predict on a fresh Trainer: the whole model, on every rank
+                return lightning_checkpoint(checkpoint_path)
             state = load_sharded(self._engine, checkpoint_path)
             return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -336,10 +397,10 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Consolidated optimizer state in torch's format (rank 0); collective, every rank must call it."""
         optimizer = self._unwrap(optimizer)
-        if self._engine is not None and optimizer is self._engine.optimizer:
+        if self._engine is not None and any(optimizer is opt for opt in self._engine.optimizers):
             if self._state_dict_type == "sharded":
                 return {}
-            return self._engine.optimizer_state_dict()
+            return self._engine.optimizer_state_dict(optimizer)
         return super().optimizer_state(optimizer)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -358,9 +419,13 @@ class ZeroStrategy(DDPStrategy):
             super().load_optimizer_state_dict(checkpoint)
             return
         states = checkpoint["optimizer_states"]
-        if len(states) != 1:
-            raise ValueError(f"the checkpoint holds {len(states)} optimizer states; ZeroStrategy runs one optimizer")
-        self._engine.load_optimizer_state_dict(states[0])
+        if len(states) != len(self._engine.optimizers):
+            raise ValueError(
+                f"the checkpoint holds {len(states)} optimizer states, configure_optimizers returned "
+                f"{len(self._engine.optimizers)} optimizers: build the same optimizers as the run that saved it"
+            )
+        for state, optimizer in zip(states, self._engine.optimizers):
+            self._engine.load_optimizer_state_dict(state, optimizer)
 
     @staticmethod
     def _unwrap(optimizer: Optimizer) -> Optimizer:
@@ -370,27 +435,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        """Registers ``zeroshard_stage_{1,2,3}``, ``zeroshard_stage_{2,3}_offload`` (optimizer offload) and
-        ``zeroshard_stage_3_offload_params`` (optimizer and parameter offload)."""
-        entries = (
-            ("zeroshard_stage_1", "ZeRO stage 1: optimizer state sharded", {"stage": 1}),
-            ("zeroshard_stage_2", "ZeRO stage 2: optimizer state and gradients sharded", {"stage": 2}),
-            (
-                "zeroshard_stage_2_offload",
-                "ZeRO stage 2 with master weights and optimizer state offloaded to the CPU (fused CPUAdam)",
-                {"stage": 2, "offload_optimizer": True},
-            ),
-            ("zeroshard_stage_3", "ZeRO stage 3: parameters, gradients and optimizer state sharded", {"stage": 3}),
-            (
-                "zeroshard_stage_3_offload",
-                "ZeRO stage 3 with master weights and optimizer state offloaded to the CPU (pipelined fused CPU Adam)",
-                {"stage": 3, "offload_optimizer": True},
-            ),
-            (
-                "zeroshard_stage_3_offload_params",
-                "ZeRO stage 3 with the optimizer and the parameter shards offloaded to (pinned) host memory",
-                {"stage": 3, "offload_optimizer": True, "offload_params": True},
-            ),
-        )
-        for name, description, params in entries:
-            strategy_registry.register(name, cls, description=description, override=True, **params)
+        """Registers :data:`zeroshard.strategy_settings.REGISTERED_NAMES` (``zeroshard_stage_{1,2,3}``,
+        ``zeroshard_stage_{2,3}_offload``: optimizer offload, ``zeroshard_stage_3_offload_params``: optimizer and
+        parameter offload)."""
+        register_names(cls, strategy_registry)

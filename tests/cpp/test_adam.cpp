@@ -270,6 +270,51 @@ TEST_P(AdamIsa, ResultsDoNotDependOnThreadCount) {
   EXPECT_EQ(sa->grad_sq_sum, sb->grad_sq_sum);  // bitwise: fixed chunks summed in a fixed order
 }
 
+TEST_P(AdamIsa, GradScaleEqualsTwoInPlaceMultipliesFirst) {
+  // grad_unscale then grad_clip, folded into the pass, give the bits of g.mul_(unscale).mul_(clip) before the step.
+  const std::string isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  const int64_t n = kAdamChunk + 21;
+  for (bool adamw : {true, false}) {
+    State a = make_state(n, 31), b = a.clone();
+    at::manual_seed(32);
+    const at::Tensor g = at::randn({n}) * 1e4;
+    AdamHyper h{2, 1e-3, 0.9, 0.999, 1e-8, 0.1, adamw, true};
+    h.grad_unscale = 1.0 / 65536;
+    h.grad_clip = 0.3183099;  // not a power of two: the product rounds
+    at::Tensor oa = at::empty({n}, at::kBFloat16), ob = at::empty({n}, at::kBFloat16);
+    const auto sa = adam_step(a.p, g, a.m, a.v, h, oa, true, isa);
+    const at::Tensor g2 = g.clone().mul_(h.grad_unscale).mul_(static_cast<float>(h.grad_clip));
+    AdamHyper plain = h;
+    plain.grad_unscale = plain.grad_clip = 1.0;
+    adam_step(b.p, g2, b.m, b.v, plain, ob, false, isa);
+    expect_bitwise(a.p, b.p, "param");
+    expect_bitwise(a.m, b.m, "exp_avg");
+    expect_bitwise(a.v, b.v, "exp_avg_sq");
+    expect_bitwise(oa, ob, "param_out");
+    // The statistics are those of the gradient as stored, before scaling.
+    const double want = g.to(at::kDouble).pow(2).sum().item<double>();
+    EXPECT_NEAR(sa->grad_sq_sum, want, 1e-12 * want);
+  }
+}
+
+TEST_P(AdamIsa, TrafficReferenceKeepsEveryValue) {
+  const std::string isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  for (int64_t n : std::vector<int64_t>{1, 17, 3 * kAdamChunk + 5}) {
+    State s = make_state(n, 41);
+    const State before = s.clone();
+    const at::Tensor g = at::randn({n}), g0 = g.clone();
+    adam_traffic_reference(s.p, g, s.m, s.v, isa);
+    expect_bitwise(s.p, before.p, "param");
+    expect_bitwise(s.m, before.m, "exp_avg");
+    expect_bitwise(s.v, before.v, "exp_avg_sq");
+    expect_bitwise(g, g0, "grad");
+  }
+  State s = make_state(8, 1);
+  EXPECT_THROW(adam_traffic_reference(s.p, at::randn({8}).to(at::kBFloat16), s.m, s.v, isa), c10::Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, AdamIsa, ::testing::ValuesIn(kIsas),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
@@ -316,6 +361,10 @@ TEST(AdamValidation, RejectsBadArgumentsBeforeWriting) {
   expect_throws_untouched([&] { adam_step(s.p, g, s.m, s.v, with([](AdamHyper& h) { h.weight_decay = -1; })); }, s,
                           "weight_decay");
   expect_throws_untouched([&] { adam_step(s.p, g, s.m, s.v, with([](AdamHyper& h) { h.step = 0; })); }, s, "step=0");
+  expect_throws_untouched([&] { adam_step(s.p, g, s.m, s.v, with([](AdamHyper& h) { h.grad_clip = NAN; })); }, s,
+                          "grad_clip=nan");
+  expect_throws_untouched([&] { adam_step(s.p, g, s.m, s.v, with([](AdamHyper& h) { h.grad_unscale = -1; })); }, s,
+                          "grad_unscale=-1");
   expect_throws_untouched([&] { adam_step(s.p, g.to_sparse(), s.m, s.v, ok); }, s, "dense");
   State d{s.p.to(at::kDouble), s.m, s.v};
   expect_throws_untouched([&] { adam_step(d.p, g, d.m, d.v, ok); }, s, "param has dtype");

@@ -297,3 +297,34 @@ TEST(CollectivesErrors, BadInputsNameIndexAndValue) {
   expect_error([&] { bc.all_reduce({f(4)}, -1, 1.0); }, "bucket_elems must be >= 1, got -1");
   expect_error([] { BucketedCollectives bad{PG()}; }, "process group is null");
 }
+
+// Every launched bucket is counted once, with its full-buffer bytes and the ring volume of its kind.
+TEST(CollectivesStats, CountsEveryBucketByKind) {
+  const int world = 3;
+  run_ranks(world, [&](const PG& pg, int rank) {
+    BucketedCollectives bc(pg);
+    ASSERT_EQ(bc.stats()->backend(), "gloo");
+    Tensors shards{input(rank, 0, 4, at::kFloat), input(rank, 1, 6, at::kFloat), at::empty({0})};
+    Tensors fulls{at::empty({world * 4}), at::empty({world * 6}), at::empty({0})};
+    bc.all_gather(shards, fulls, world * 4).wait();  // two non-empty buckets
+    Tensors rs_shards{at::zeros({4}), at::zeros({6})};
+    Tensors rs_fulls{input(rank, 2, world * 4, at::kBFloat16), input(rank, 3, world * 6, at::kBFloat16)};
+    bc.reduce_scatter(rs_fulls, rs_shards, 1 << 20, 1.0, false).wait();  // one bucket, bf16 on the wire
+    Tensors ar{input(rank, 4, 9, at::kFloat)};
+    bc.all_reduce(ar, 1 << 20, 1.0).wait();
+    const auto c = bc.stats()->current();
+    const auto& ag = c[static_cast<int>(zeroshard::CollectiveKind::kAllGather)];
+    const auto& rs = c[static_cast<int>(zeroshard::CollectiveKind::kReduceScatter)];
+    const auto& al = c[static_cast<int>(zeroshard::CollectiveKind::kAllReduce)];
+    EXPECT_EQ(ag.calls, 2);
+    EXPECT_EQ(ag.tensor_bytes, world * 10 * 4);
+    EXPECT_EQ(ag.bytes, (world - 1) * 10 * 4);
+    EXPECT_EQ(rs.calls, 1);
+    EXPECT_EQ(rs.bytes, (world - 1) * 10 * 2);
+    EXPECT_EQ(rs.wire_bytes, 2 * (world - 1) * 10 * 2);
+    EXPECT_EQ(al.calls, 1);
+    EXPECT_EQ(al.bytes, 2 * 9 * 4 * (world - 1) / world);
+    bc.stats()->end_step();
+    EXPECT_EQ(bc.stats()->last_step()[static_cast<int>(zeroshard::CollectiveKind::kAllGather)].calls, 2);
+  });
+}

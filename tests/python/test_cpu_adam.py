@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zeroshard import ops
 from zeroshard.cpu_adam import CPUAdam
@@ -91,7 +92,9 @@ def test_matches_torch_after_100_steps(monkeypatch, isa, n, name):
         p.grad = g
         opt.step()
     st = opt.state[p]
-    assert st["step"].dtype == torch.float32 and st["step"].item() == STEPS
+    assert type(st["step"]) is int and st["step"] == STEPS  # a plain number while training
+    saved = opt.state_dict()["state"][0]["step"]  # torch's format at save time
+    assert saved.dtype == torch.float32 and saved.shape == () and saved.item() == STEPS
     torch.testing.assert_close(p.detach(), p_ref, **TOL)
     torch.testing.assert_close(st["exp_avg"], m_ref, **TOL)
     torch.testing.assert_close(st["exp_avg_sq"], v_ref, rtol=1e-6, atol=1e-9)
@@ -178,7 +181,7 @@ def test_state_dict_round_trip(direction):
     for k in range(2):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(src.state[src_p[k]][key], dst.state[dst_p[k]][key], **TOL)
-        assert src.state[src_p[k]]["step"].item() == dst.state[dst_p[k]]["step"].item() == 10
+        assert float(src.state[src_p[k]]["step"]) == float(dst.state[dst_p[k]]["step"]) == 10
 
 
 def test_closure_and_params_without_grad():
@@ -252,12 +255,12 @@ def test_step_rejects_bad_param_and_modifies_nothing(case):
     opt.step()
     bad = make()
     opt.add_param_group({"params": [bad]})
-    before = (good.detach().clone(), {k: v.clone() for k, v in opt.state[good].items()})
+    before = (good.detach().clone(), copy.deepcopy(opt.state[good]))
     with pytest.raises(ValueError, match=match):
         opt.step()
     assert torch.equal(good.detach(), before[0])
     for k, v in opt.state[good].items():
-        assert torch.equal(v, before[1][k]), k
+        assert torch.equal(v, before[1][k]) if torch.is_tensor(v) else v == before[1][k], k
     assert bad not in opt.state
 
 
@@ -375,3 +378,92 @@ def test_ops_rejects_bad_arguments_before_writing(mutate, exc, match):
         _ops_call(tensors["p"], tensors["g"], tensors["m"], tensors["v"], **kw)
     for k, x in t.items():
         assert torch.equal(x, snapshot[k]), k
+
+
+def test_group_step_equals_one_kernel_call_per_tensor_bitwise():
+    """One ``_C.adam_step_groups`` call over many tensors (small ones and ones spanning several chunks, bf16 grads
+    among them) gives exactly the bits of ``ops.adam_step`` on each tensor, with 1 thread or 2."""
+    shapes = [(3,), (1000,), (70_001,), (17, 5), (2, 65_536)] * 3
+    gen = torch.Generator().manual_seed(5)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            ours = [torch.nn.Parameter(t.clone()) for t in init]
+            opt = CPUAdam(ours, lr=1e-2, weight_decay=0.1)
+            ref = [(t.clone(), torch.zeros_like(t), torch.zeros_like(t)) for t in init]
+            for step in range(1, 4):
+                g = {p: torch.randn(p.shape, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+                     for i, p in enumerate(ours)}  # fmt: skip
+                opt.step(grads=g)
+                for p, (rp, rm, rv) in zip(ours, ref):
+                    ops.adam_step(rp, g[p], rm, rv, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                                  weight_decay=0.1, adamw_mode=True, bias_correction=True)  # fmt: skip
+            for p, (rp, rm, rv) in zip(ours, ref):
+                st = opt.state[p]
+                assert (
+                    torch.equal(p.detach(), rp) and torch.equal(st["exp_avg"], rm) and torch.equal(st["exp_avg_sq"], rv)
+                )
+                assert st["step"] == 3
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_state_replaced_or_late_params_are_picked_up():
+    """A parameter whose gradient first appears at step 3 gets its state then (as in torch); state dicts assigned
+    from outside (as the sharded checkpoint loader does, with torch's tensor ``step``) are used from the next step."""
+    torch.manual_seed(0)
+    init = [torch.randn(40), torch.randn(7, 3)]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    theirs = [torch.nn.Parameter(t.clone()) for t in init]
+    a, b = CPUAdam(ours, lr=1e-2, weight_decay=0.01), torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        for k, (x, y) in enumerate(zip(ours, theirs)):
+            g = torch.randn(x.shape, generator=gen) if (k == 0 or step >= 2) else None
+            x.grad, y.grad = g, None if g is None else g.clone()
+        a.step()
+        b.step()
+        if step == 1:
+            assert ours[1] not in a.state
+        if step == 3:  # replace the state dicts with torch's, as loaders do
+            for x, y in zip(ours, theirs):
+                a.state[x] = {k: v.clone() for k, v in b.state[y].items()}
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, **TOL)
+        assert a.state[x]["step"] == b.state[y]["step"].item()
+    assert a.state[ours[1]]["step"] == 4
+
+
+def test_bad_gradient_at_a_later_step_modifies_nothing():
+    p, q = torch.nn.Parameter(torch.randn(9)), torch.nn.Parameter(torch.randn(5))
+    opt = CPUAdam([{"params": [p]}, {"params": [q]}], lr=0.1)
+    p.grad, q.grad = torch.randn(9), torch.randn(5)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict()), p.detach().clone(), q.detach().clone()
+    p.grad = torch.randn(9)
+    with pytest.raises(ValueError, match="gradient of CPUAdam param 0 of group 1.*torch.float64"):
+        opt.step(grads={q: torch.randn(5).double()})
+    assert torch.equal(p.detach(), before[1]) and torch.equal(q.detach(), before[2])
+    after = opt.state_dict()
+    for k in (0, 1):
+        for key, v in before[0]["state"][k].items():
+            assert torch.equal(after["state"][k][key], v), key
+
+
+def test_step_hooks_run_as_torch_runs_them():
+    """CPUAdam's own step wrapper keeps torch's step pre/post hooks (per optimizer and global)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = CPUAdam([p], lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o is opt)))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(("post", o is opt)))
+    handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global", True)))
+    try:
+        opt.step()
+    finally:
+        handle.remove()
+    assert calls == [("pre", True), ("post", True), ("global", True)]
+    assert opt.state[p]["step"] == 1

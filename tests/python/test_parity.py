@@ -80,15 +80,16 @@ def test_offload_and_other_optimizers_match_ddp(tmp_path):
 
 def test_offload_pipeline_at_every_stage_matches_ddp(tmp_path):
     """The offload pipeline on 2 ranks (chunks of 1000 elements, so every flat parameter spans several): stage 3 with
-    optimizer offload, with parameter offload too, and stage 2 with clipping (which waits for the gradient copies and
-    clips the host shards) equal DDP."""
+    optimizer offload, with parameter offload too and buckets stepped during backward (``overlap_step``), and stage 2
+    with clipping (``overlap_step`` too: the strategy defers the step to the end of backward and the clip coefficient
+    is folded into the kernel) equal DDP."""
     off = {"strategy": "zeroshard", "offload": True, "offload_chunk": 1000}
     runs = [
         {"name": "ddp", "strategy": "ddp"},
         {"name": "stage3_offload", "stage": 3, **off},
-        {"name": "stage3_offload_params", "stage": 3, "offload_params": True, **off},
+        {"name": "stage3_offload_params", "stage": 3, "offload_params": True, "overlap": True, **off},
         {"name": "ddp_clip", "strategy": "ddp", "clip": 0.05},
-        {"name": "stage2_offload_clip", "stage": 2, "clip": 0.05, **off},
+        {"name": "stage2_offload_clip", "stage": 2, "clip": 0.05, "overlap": True, **off},
     ]
     _run(tmp_path, runs)
     _assert_same_run(tmp_path, "ddp", "stage3_offload", 20)
@@ -167,11 +168,17 @@ def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
             assert got[-5:].mean() < got[:5].mean() - 0.1, f"{name} did not learn: {got}"
         pa, pb = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / f"{name}.pt")
         for k in pa:
-            assert pb[k].dtype == torch.bfloat16 or not pb[k].is_floating_point() or k == "frozen_scale", (
-                k,
-                pb[k].dtype,
-            )
-            torch.testing.assert_close(pb[k].float(), pa[k].float(), rtol=5e-2, atol=5e-2)
+            # after fit, stages 1-2 give the module its fp32 parameters back (the master weights), as DDP has them;
+            # stage 3 keeps its bf16 shards
+            expected = torch.float32 if name in ("stage1", "stage2") else torch.bfloat16
+            assert pb[k].dtype == expected or not pb[k].is_floating_point() or k == "frozen_scale", (k, pb[k].dtype)
+            # bf16 parameters against DDP's fp32 parameters under autocast: a weight near zero can sit a few bf16
+            # steps away after 20 Adam steps (seen on AVX-512-BF16 CPUs; small biases reach 4.5e-2 relative L2), so
+            # bound the tensor-wide relative error and the elementwise error, both far below a wrong update's (~1)
+            a, b = pa[k].float(), pb[k].float()
+            rel = ((b - a).norm() / a.norm().clamp_min(1e-12)).item()
+            assert rel < 1e-1, f"{name}, {k}: relative L2 error {rel:.3g} vs DDP"
+            torch.testing.assert_close(b, a, rtol=5e-2, atol=1e-1, msg=lambda m, n=name, k=k: f"{n}, {k}: {m}")
 
 
 @pytest.mark.parametrize("stage, offload", [(2, False), (3, False), (3, True)])

@@ -194,7 +194,7 @@ def test_meta_model_is_recorded_not_read(tmp_path):
         m = Small()
     report = load_pretrained(m, tmp_path)
     assert report.mode == "recorded" and report.bytes_read == 0
-    source, key_map, strict = m._zeroshard_pretrained
+    source, key_map, strict, _ = m._zeroshard_pretrained
     assert isinstance(source, SafetensorsSource) and key_map is None and strict is True
     assert source.bytes_read == 0
 

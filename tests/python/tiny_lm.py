@@ -25,11 +25,17 @@ class TinyLM(L.LightningModule):
     """Embedding -> 2 residual MLP blocks -> LayerNorm -> head tied to the embedding.
 
     ``frozen_scale`` is a frozen parameter (no gradient, no optimizer state). ``optimizer`` picks the torch optimizer.
-    ``unused=True`` adds a layer used only in every other training step.
+    ``unused=True`` adds a layer used only in every other training step. ``odd=True`` adds a 3-element gain, so the
+    parameter count (18,979, of which 18,947 trainable) divides by neither 3 nor 4.
     """
 
     def __init__(
-        self, optimizer: str = "adamw", lr: float = 1e-2, record: list | None = None, unused: bool = False
+        self,
+        optimizer: str = "adamw",
+        lr: float = 1e-2,
+        record: list | None = None,
+        unused: bool = False,
+        odd: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
@@ -40,6 +46,7 @@ class TinyLM(L.LightningModule):
         self.frozen_scale = nn.Parameter(torch.full((DIM,), 0.5), requires_grad=False)
         # with unused=True, a layer that only every other training step uses (ranks must still agree on collectives)
         self.sometimes = nn.Linear(DIM, DIM) if unused else None
+        self.odd_gain = nn.Parameter(torch.ones(3)) if odd else None
         self._calls = 0
         self.optimizer_name = optimizer
         self.lr = lr
@@ -49,9 +56,13 @@ class TinyLM(L.LightningModule):
         """Initialises this module's own tensors only (the meta-device contract); children have their own."""
         with torch.no_grad():
             self.frozen_scale.fill_(0.5)
+            if self.odd_gain is not None:
+                self.odd_gain.fill_(1.0)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx) * (1 + self.frozen_scale)
+        if self.odd_gain is not None:
+            x = x * self.odd_gain.mean()
         if self.sometimes is not None and self.training:
             self._calls += 1
             if self._calls % 2 == 0:

@@ -9,15 +9,21 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``validate`` (validation every 5 steps, then ``trainer.test``), ``unused`` (a layer used every other step),
 ``check_gather_order``, ``meta`` (build under ``trainer.init_module(empty_init=True)``),
 ``checkpointing`` (recompute Blocks in backward), ``precision``, ``reduce_bf16``, ``offload_params``,
-``offload_chunk`` (elements per chunk of the offload pipeline),
+``offload_chunk`` (elements per chunk of the offload pipeline), ``overlap`` (``overlap_step``),
 ``persist`` (stage 3 units below 1e5 elements stay gathered),
-``sharded`` (sharded checkpoints). Stage 3 units are Blocks.
-Writes ``{name}_rank{r}.json`` (losses) and, on rank 0, ``{name}.pt`` (final parameters).
+``sharded`` (sharded checkpoints), ``shard_group_size`` (hybrid sharding), ``mesh`` ([replicate, shard]: hybrid
+sharding through a DeviceMesh built here, after an earlier run initialised the process group), ``odd`` (a 3-element
+parameter, so the parameter count divides by neither 3 nor 4), ``samples`` (dataset size, default 256),
+``plan_options`` (with ``stage: "auto"``). Stage 3 units are Blocks. The world size is the launcher's
+(``WORLD_SIZE``, default 2).
+Writes ``{name}_rank{r}.json`` (losses, and ``comm`` = ``engine.comm_stats()`` for zeroshard runs) and, on rank 0,
+``{name}.pt`` (final parameters).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +31,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from tiny_lm import Block, TinyLM, token_dataset
+from torch.distributed.device_mesh import init_device_mesh
 
 import zeroshard
 
@@ -35,7 +42,8 @@ def make_strategy(run: dict):
     stage = run.get("stage", 2)
     return zeroshard.ZeroStrategy(
         stage=stage,
-        wrap_policy=Block if stage == 3 else None,
+        wrap_policy=Block if stage in (3, "auto") else None,
+        plan_options=run.get("plan_options"),
         check_gather_order=run.get("check_gather_order", False),
         activation_checkpointing=Block if run.get("checkpointing") else None,
         reduce_dtype=torch.bfloat16 if run.get("reduce_bf16") else None,
@@ -44,7 +52,12 @@ def make_strategy(run: dict):
         offload_optimizer=run.get("offload", False),
         offload_params=run.get("offload_params", False),
         offload_chunk_size=run.get("offload_chunk", 4 * 1024 * 1024),
+        overlap_step=run.get("overlap", False),
         reduce_bucket_size=run.get("reduce_bucket_size", 3000),
+        shard_group_size=run.get("shard_group_size"),
+        device_mesh=init_device_mesh("cpu", tuple(run["mesh"]), mesh_dim_names=("replicate", "shard"))
+        if run.get("mesh")
+        else None,
         allgather_bucket_size=run.get("allgather_bucket_size", 7000),
     )
 
@@ -53,12 +66,13 @@ def main() -> None:
     out = Path(sys.argv[1])
     runs = json.loads(sys.argv[2])
     torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "2"))  # read once: Lightning's teardown removes it from the environment
     for run in runs:
         L.seed_everything(run.get("seed", 7), verbose=False)
-        loader = torch.utils.data.DataLoader(token_dataset(), batch_size=4)
+        loader = torch.utils.data.DataLoader(token_dataset(n=run.get("samples", 256)), batch_size=4)
         trainer = L.Trainer(
             accelerator="cpu",
-            devices=2,
+            devices=world,
             strategy=make_strategy(run),
             max_steps=run.get("max_steps", -1 if "max_epochs" in run else 20),
             max_epochs=run.get("max_epochs", -1),
@@ -74,7 +88,9 @@ def main() -> None:
         )
         # meta: built on the meta device through Lightning's own hook; the strategy materialises it (same seed)
         with trainer.init_module(empty_init=run.get("meta", False)):
-            model = TinyLM(optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False))
+            model = TinyLM(
+                optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False), odd=run.get("odd", False)
+            )
         assert all(p.is_meta for p in model.parameters()) == bool(run.get("meta")), "init_module did not build on meta"
         val_loader = (
             torch.utils.data.DataLoader(token_dataset(n=64, seed=99), batch_size=8) if run.get("validate") else None
@@ -87,6 +103,15 @@ def main() -> None:
         if run.get("save_ckpt"):
             trainer.save_checkpoint(run["save_ckpt"])
         rank = trainer.global_rank
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            metrics["comm"] = engine.comm_stats()
+        if getattr(trainer.strategy, "auto_plan", None):
+            choice = trainer.strategy.auto_plan["choice"]
+            metrics["auto"] = {k: choice[k] for k in ("config", "stage", "offload_optimizer", "shard_group_size")}
+            metrics["auto"]["engine_stage"] = engine.config.stage
+            metrics["auto"]["engine_offload"] = engine.config.offload_optimizer
+            metrics["auto"]["engine_shard_group"] = engine.world_size
         (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps({"losses": model.losses, **metrics}))
         with zeroshard.gathered_parameters(model):
             if rank == 0:

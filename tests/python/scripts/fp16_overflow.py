@@ -40,7 +40,7 @@ class Snapshot(L.Callback):
         out = []
         for fp in engine.flat_params:
             state = engine.optimizer.state.get(fp.master, {})
-            out.append([fp.master.detach().clone()] + [v.clone() for _, v in sorted(state.items())])
+            out.append([fp.master.detach().clone()] + [torch.as_tensor(v).clone() for _, v in sorted(state.items())])
         return out
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
