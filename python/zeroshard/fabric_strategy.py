@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from zeroshard.engine import ZeroEngine, master_gradients
 from zeroshard.fabric_precision import ZeroFabricPrecision
 from zeroshard.meta_init import has_meta
+from zeroshard.process_group import init_and_destroy_at_exit
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
 from zeroshard.strategy_settings import register_names
@@ -129,7 +130,7 @@ class ZeroFabricStrategy(DDPStrategy):
         )
 
     def setup_environment(self) -> None:
-        super().setup_environment()
+        init_and_destroy_at_exit(super().setup_environment)
         self.precision.device = self.root_device.type
 
     # -- set-up -------------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from zeroshard.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, materialize_module_
 from zeroshard.precision import ZeroPrecision
 from zeroshard.pretrained import apply_recorded_whole
+from zeroshard.process_group import init_and_destroy_at_exit
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
 from zeroshard.strategy_settings import register_names
@@ -211,6 +212,9 @@ class ZeroStrategy(DDPStrategy):
         )
 
     # -- setup and teardown -------------------------------------------------------------------------------------------
+
+    def setup_distributed(self) -> None:
+        init_and_destroy_at_exit(super().setup_distributed)
 
     def setup(self, trainer) -> None:
         assert self.accelerator is not None
