@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "is_checkpointed"]
+__all__ = ["apply_activation_checkpointing", "is_checkpointed", "policy_predicate"]
 
 Policy = type | tuple | Callable[[str, nn.Module], bool]
 
@@ -70,7 +70,13 @@ def is_checkpointed(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CheckpointedForward)
 
 
-def _as_predicate(policy) -> Callable[[str, nn.Module], bool]:
+def policy_predicate(policy) -> Callable[[str, nn.Module], bool]:
+    """``policy`` as ``(qualified_name, module) -> bool``; a callable's result must be a bool (``TypeError``).
+
+    Raises:
+        TypeError: if ``policy`` is not an ``nn.Module`` subclass, a non-empty tuple of them, or a callable.
+    """
+
     def is_module_class(c) -> bool:
         return isinstance(c, type) and issubclass(c, nn.Module)
 
@@ -119,7 +125,7 @@ def apply_activation_checkpointing(module: nn.Module, policy: Policy, *, offload
         ValueError: if a selected module is already checkpointed with a different ``offload_to_cpu``, or contains an
             already-checkpointed module (from an earlier call); checked before anything is changed.
     """
-    predicate = _as_predicate(policy)
+    predicate = policy_predicate(policy)
     selected: list[tuple[str, nn.Module]] = []
     inside: list[str] = []  # selected or already-checkpointed modules: their descendants are not visited
     for name, sub in module.named_modules():

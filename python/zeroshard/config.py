@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+from zeroshard.policy_check import check_policy
 
 SUPPORTED_STAGES = (1, 2, 3)
 
@@ -39,16 +42,19 @@ class ZeroConfig:
         align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes (>= 64, a
             cache line / AVX-512 vector).
         wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
-            threshold (int), or ``callable(name, module) -> bool``. The root is always a unit.
+            threshold (int >= 1), or ``callable(name, module) -> bool`` (called with each submodule's qualified name
+            and the module). The root is always a unit. Checked here for its kind and a callable's signature; the
+            strategies also check at setup that it selects at least one module (:mod:`zeroshard.policy_check`).
         prefetch: stage 3: all-gather the next unit while the current one computes.
         param_persistence_threshold: stage 3: units with fewer parameter elements than this stay gathered for the
             whole run (DeepSpeed's ``stage3_param_persistence_threshold``): too small to be worth a collective each.
+            An int >= 0; non-zero only at stage 3.
         reduce_dtype: dtype gradients are accumulated and reduced in (a floating ``torch.dtype``); default fp32,
             whatever the compute dtype. ``torch.bfloat16`` halves the gradient traffic of bf16-mixed runs.
         param_init_fn: ``callable(module)`` that initialises a module's own tensors when a model built on the meta
             device is materialised; default: each module's ``reset_parameters()``.
         check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
-            backward and raise naming the first difference.
+            backward and raise naming the first difference. ``True`` at stages 1-2 is an error (nothing is gathered).
         shard_group_size: hybrid sharding (:mod:`zeroshard.hybrid`; FSDP's HYBRID_SHARD, ZeRO++ hpZ, MiCS): shard over
             groups of this many consecutive ranks and replicate across the world / k groups. ``None`` (or the world
             size) shards over every rank. Must divide the world size (checked when the engine is built).
@@ -77,21 +83,46 @@ class ZeroConfig:
     device_mesh: object = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in SUPPORTED_STAGES:
-            raise ValueError(
-                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage: use 1 (optimizer state sharded), "
-                "2 (optimizer state and gradients sharded) or 3 (parameters sharded too)."
+        if (
+            isinstance(self.stage, bool)
+            or not isinstance(self.stage, numbers.Integral)
+            or self.stage not in SUPPORTED_STAGES
+        ):
+            kind = (
+                f" (a {type(self.stage).__name__}: pass the int {int(self.stage)})"
+                if isinstance(self.stage, float) and self.stage in SUPPORTED_STAGES
+                else ""
             )
+            raise ValueError(
+                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage{kind}: use 1 (optimizer state sharded), 2 "
+                "(optimizer state and gradients sharded) or 3 (parameters sharded too), as an int, or 'auto' (the "
+                "strategies' planner chooses)."
+            )
+        object.__setattr__(self, "stage", int(self.stage))  # a numpy integer becomes a plain int
         if self.stage != 3 and self.wrap_policy is not None:
             raise ValueError(
                 f"ZeroStrategy(wrap_policy={self.wrap_policy!r}) only applies to stage=3 (stages 1-2 keep parameters "
                 "whole); drop it or use stage=3."
             )
-        if isinstance(self.param_persistence_threshold, bool) or not isinstance(self.param_persistence_threshold, int):
+        check_policy("ZeroStrategy", "wrap_policy", self.wrap_policy, threshold=True)
+        if (
+            isinstance(self.param_persistence_threshold, bool)
+            or not isinstance(self.param_persistence_threshold, int)
+            or self.param_persistence_threshold < 0
+        ):
             raise ValueError(
-                f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int "
-                "(elements; 0 keeps nothing gathered)."
+                f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int >= 0 "
+                "(elements: stage-3 units smaller than this stay gathered; 0, the default, keeps none gathered)."
             )
+        for name, value, default in (
+            ("check_gather_order", self.check_gather_order, False),
+            ("param_persistence_threshold", self.param_persistence_threshold, 0),
+        ):
+            if self.stage != 3 and value != default:
+                raise ValueError(
+                    f"ZeroStrategy({name}={value!r}) only applies to stage=3 (stages 1-2 gather no units, so it "
+                    f"would do nothing at stage={self.stage}); drop it or use stage=3."
+                )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "offload_chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -49,7 +49,7 @@ from zeroshard.meta_init import has_meta
 from zeroshard.process_group import init_and_destroy_at_exit
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
-from zeroshard.strategy_settings import register_names
+from zeroshard.strategy_settings import as_timeout, register_names
 
 # Key of the sharded checkpoint's trainer state that records which entries of Fabric's state were the model and the
 # optimizers (their tensors are in the rank files).
@@ -62,7 +62,7 @@ class ZeroFabricStrategy(DDPStrategy):
     Args:
         stage: ZeRO stage (1: optimizer state sharded; 2: gradients too; 3: parameters too).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, process_group_backend, timeout,
-            start_method: as Fabric's ``DDPStrategy``.
+            start_method: as Fabric's ``DDPStrategy`` (``timeout`` also takes seconds, an int or float).
         precision: a :class:`~zeroshard.fabric_precision.ZeroFabricPrecision`; default: from
             ``Fabric(precision=...)`` (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``).
         **settings: every other setting of :class:`~zeroshard.ZeroStrategy` by keyword (``offload_optimizer``,
@@ -91,7 +91,7 @@ class ZeroFabricStrategy(DDPStrategy):
         checkpoint_io=None,
         precision: FabricPrecision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **settings: Any,
     ) -> None:
@@ -103,7 +103,7 @@ class ZeroFabricStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=as_timeout(type(self).__name__, timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _ZeroBackwardSyncControl(self._core)

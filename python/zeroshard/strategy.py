@@ -33,7 +33,7 @@ from zeroshard.pretrained import apply_recorded_whole
 from zeroshard.process_group import init_and_destroy_at_exit
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
-from zeroshard.strategy_settings import register_names
+from zeroshard.strategy_settings import as_timeout, register_names
 
 # ``tensor_init_context()`` called without an argument: Lightning's ``configure_model`` path (``trainer.init_module``
 # passes ``empty_init`` explicitly).
@@ -91,7 +91,8 @@ class ZeroStrategy(DDPStrategy):
             (:mod:`zeroshard.sharded_checkpoint`; ``python -m zeroshard.consolidate`` turns it into plain files).
             ``"full"``: one consolidated file (gathered unit by unit to rank 0's CPU), in torch's optimizer format.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
-        timeout: collective timeout; a rank that stops answering ends the job with an error after it.
+        timeout: collective timeout, a ``timedelta`` or seconds (int/float); a rank that stops answering ends the job
+            with an error after it.
         start_method: Lightning's launcher: ``"popen"`` (re-run the script per rank), ``"spawn"``, ``"fork"``.
         **aliases: Lightning's ``DeepSpeedStrategy``/``FSDPStrategy`` spellings with the same meaning:
             ``offload_parameters`` (= ``offload_params``), ``cpu_checkpointing`` (= ``offload_activations``),
@@ -143,7 +144,7 @@ class ZeroStrategy(DDPStrategy):
         checkpoint_io=None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **aliases: Any,
     ) -> None:
@@ -180,7 +181,7 @@ class ZeroStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=as_timeout(type(self).__name__, timeout),
             start_method=start_method,
         )
         self._state_dict_type = self._core.state_dict_type

@@ -24,6 +24,7 @@ from zeroshard.activation_checkpointing import apply_activation_checkpointing
 from zeroshard.engine import ZeroEngine
 from zeroshard.meta_init import init_meta_context
 from zeroshard.plan.auto import auto_config, check_auto_settings
+from zeroshard.setup_checks import check_model_settings, warn_single_unit
 from zeroshard.strategy_settings import parse_settings
 
 
@@ -47,6 +48,7 @@ class StrategyCore:
 
     def __init__(self, owner: str, settings: dict[str, Any]) -> None:
         settings = dict(settings)
+        self.owner = owner
         self.plan_options: dict | None = settings.pop("plan_options", None)
         self.auto = settings.get("stage") == "auto"
         self.auto_plan: dict | None = None
@@ -80,7 +82,15 @@ class StrategyCore:
         planner (:mod:`zeroshard.plan.auto`) first picks the configuration for this job's ``device`` type
         (``"cuda"``/``"cpu"``), world size and ``grad_accum`` (micro-batches per step); its report is
         :attr:`auto_plan`.
+
+        Raises:
+            ValueError: before anything changes, for a ``wrap_policy`` or ``activation_checkpointing`` that selects no
+                module of ``module``, or ``reduce_dtype=torch.float16`` without a float16 compute dtype
+                (:func:`~zeroshard.setup_checks.check_model_settings`). Stage 3 without ``wrap_policy`` warns once
+                (:func:`~zeroshard.setup_checks.warn_single_unit`).
         """
+        # settings that mean nothing for this model or precision fail before anything changes
+        check_model_settings(self.owner, module, self.config, self.activation_checkpointing, compute_dtype)
         previous = getattr(module, "_zeroshard_engine", None)
         if previous is not None and previous.sharded is not None:
             previous.sharded.unshard_all()  # a new fit re-shards from whole parameters
@@ -103,6 +113,7 @@ class StrategyCore:
                 options=self.plan_options,
             )
             rank_zero_info(self.auto_plan["message"])
+        warn_single_unit(self.owner, module, self.config)
         self._param_dtypes = {name: p.dtype for name, p in module.named_parameters()}
         self.engine = ZeroEngine(
             module, list(optimizers), self.config, compute_dtype=compute_dtype, local_world_size=local_world_size

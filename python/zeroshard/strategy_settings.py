@@ -12,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from zeroshard.config import ZeroConfig
+from zeroshard.policy_check import check_policy
 
 STATE_DICT_TYPES = ("full", "sharded")
 _STRATEGY_LEVEL = {"activation_checkpointing": None, "offload_activations": False, "state_dict_type": "sharded"}
@@ -126,11 +129,39 @@ def parse_settings(owner: str, settings: dict[str, Any]) -> tuple[ZeroConfig, di
             ours[name] = _module_classes(name, ours[name])
     extra = {k: ours.pop(k, default) for k, default in _STRATEGY_LEVEL.items()}
     config = ZeroConfig(**ours)
+    check_policy(owner, "activation_checkpointing", extra["activation_checkpointing"], threshold=False)
     if extra["activation_checkpointing"] is None and extra["offload_activations"]:
         raise ValueError(f"{owner}(offload_activations=True) needs activation_checkpointing=<module class or policy>.")
     if extra["state_dict_type"] not in STATE_DICT_TYPES:
         raise ValueError(f"{owner}(state_dict_type={extra['state_dict_type']!r}) must be 'full' or 'sharded'.")
     return config, extra
+
+
+def as_timeout(owner: str, timeout: Any) -> timedelta | None:
+    """The strategies' ``timeout=`` as torch wants it: a ``timedelta`` (or ``None``, torch's default) as given, a
+    number as seconds.
+
+    Raises:
+        TypeError: for another type, naming it and the accepted ones.
+        ValueError: for a timeout that is not a positive, finite duration.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if not math.isfinite(timeout):
+            raise ValueError(f"{owner}(timeout={timeout!r}) must be a finite number of seconds or a timedelta.")
+        timeout = timedelta(seconds=timeout)
+    elif not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"{owner}(timeout={timeout!r}) is a {type(timeout).__name__}: pass a datetime.timedelta (e.g. "
+            "timedelta(minutes=10)) or a number of seconds."
+        )
+    if timeout.total_seconds() <= 0:
+        raise ValueError(
+            f"{owner}(timeout={timeout!r}) must be positive: it is how long a collective waits for the other ranks "
+            "before the job ends with an error (e.g. timedelta(minutes=10), or 600 seconds)."
+        )
+    return timeout
 
 
 # Names registered for both lightning.Trainer(strategy=...) and lightning.Fabric(strategy=...). Unlike

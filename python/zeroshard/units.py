@@ -33,7 +33,15 @@ class UnitPlan:
     frozen: BucketPlan | None = None
 
 
-def _policy_fn(policy: WrapPolicy) -> Callable[[str, nn.Module], bool]:
+def wrap_predicate(policy: WrapPolicy) -> Callable[[str, nn.Module], bool]:
+    """``policy`` as ``(qualified_name, module) -> bool``: whether that submodule is a unit.
+
+    A callable policy is called as ``policy(name, module)``; its result must be ``True`` or ``False`` (a ``TypeError``
+    names the module otherwise), and an exception it raises gets a note naming the call and the expected signature.
+
+    Raises:
+        TypeError: for a policy of another kind (:func:`zeroshard.policy_check.check_policy` catches it earlier).
+    """
     if policy is None:
         return lambda name, m: False
     if isinstance(policy, type) or (isinstance(policy, tuple) and all(isinstance(c, type) for c in policy)):
@@ -46,7 +54,24 @@ def _policy_fn(policy: WrapPolicy) -> Callable[[str, nn.Module], bool]:
 
         return by_size
     if callable(policy):
-        return policy
+
+        def called(name: str, m: nn.Module) -> bool:
+            try:
+                out = policy(name, m)
+            except Exception as error:
+                error.add_note(
+                    f"zeroshard called wrap_policy {policy!r} as policy(name={name!r}, module=<{type(m).__name__}>): "
+                    "a callable wrap_policy takes (name: str, module: nn.Module) and returns a bool."
+                )
+                raise
+            if out not in (True, False):
+                raise TypeError(
+                    f"wrap_policy {policy!r} returned {out!r} for module '{name}' ({type(m).__name__}): a callable "
+                    "wrap_policy(name, module) must return True (the module is a unit) or False."
+                )
+            return bool(out)
+
+        return called
     raise TypeError(
         f"wrap_policy={policy!r} is not a module class, a tuple of classes, a parameter-count threshold (int) or a "
         "callable (name, module) -> bool"
@@ -67,7 +92,7 @@ def plan_units(root: nn.Module, policy: WrapPolicy, param_groups: list[list[nn.P
     Raises:
         TypeError: for a policy of another kind.
     """
-    wrap = _policy_fn(policy)
+    wrap = wrap_predicate(policy)
     units = [UnitPlan(module=root, name="")]
     unit_of_module: dict[int, int] = {}
     for name, m in root.named_modules():

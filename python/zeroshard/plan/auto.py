@@ -104,6 +104,9 @@ def auto_config(
         offload_params=best["offload_params"],
         shard_group_size=None if k == cluster.world_size else k,
         wrap_policy=policy if best["stage"] == 3 else None,
+        # stage-3-only settings mean nothing at the stage 1-2 the planner may choose
+        check_gather_order=config.check_gather_order if best["stage"] == 3 else False,
+        param_persistence_threshold=config.param_persistence_threshold if best["stage"] == 3 else 0,
     )
     message = f"zeroshard stage='auto' chose {best['config']}: predicted {best['predicted_step_s']:.4f} s/step, " + (
         f"{best['device_total_bytes'] / GIB:.2f} GiB per rank on the device, {best['host_bytes_per_node'] / GIB:.1f} "
