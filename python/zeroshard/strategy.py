@@ -376,10 +376,10 @@ class ZeroStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(checkpoint_path):
+        if is_sharded_checkpoint(checkpoint_path):  # any directory: one that is no checkpoint gets a clear error
             if self._engine is None:  # validate/test/predict on a fresh Trainer: the whole model, on every rank
-                return lightning_checkpoint(checkpoint_path)
-            state = load_sharded(self._engine, checkpoint_path)
+                return lightning_checkpoint(checkpoint_path, weights_only=weights_only)
+            state = load_sharded(self._engine, checkpoint_path, weights_only=weights_only)
             return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
