@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pickle
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,26 @@ def _pickled_entries(structure: Any, out: list[str]) -> list[str]:
         for v in structure:
             _pickled_entries(v, out)
     return out
+
+
+def lightning_weights_only(weights_only: bool | None) -> bool | None:
+    """``weights_only`` as the user passed it to ``Trainer.fit/validate/test/predict``.
+
+    Lightning 2.6 drops it for strategies that restore after setup, as ZeroStrategy must (the engine has to exist):
+    ``Trainer._run`` calls ``_restore_modules_and_callbacks(ckpt_path)`` without it (lightning/pytorch/trainer/
+    trainer.py, the ``restore_checkpoint_after_setup`` branch; the other branch passes it). So when the strategy got
+    ``None``, this reads the value from the ``Trainer._run`` frame that called it; ``None`` if there is none.
+    """
+    if weights_only is not None:
+        return weights_only
+    trainer_cls = getattr(sys.modules.get("lightning.pytorch.trainer.trainer"), "Trainer", None)
+    run = getattr(getattr(trainer_cls, "_run", None), "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None and run is not None:
+        if frame.f_code is run:
+            return frame.f_locals.get("weights_only")
+        frame = frame.f_back
+    return None
 
 
 def load(directory: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
