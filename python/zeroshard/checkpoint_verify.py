@@ -113,14 +113,14 @@ def verify_files(where: Resolved) -> dict[str, Any]:
         if not (d / INDEX).is_file():
             raise CheckpointError(f"sharded checkpoint {d}: {INDEX} is missing")
         index = _read_json(d, INDEX)
-        check_index(d, index, files_only=True)
+        check_index(d, index)
         for name, meta in index["files"].items():
             _check_file(d, name, meta, INDEX)
     check_headers(d, index)
     return index
 
 
-def check_index(directory: Path, index: Any, files_only: bool = False) -> None:
+def check_index(directory: Path, index: Any) -> None:
     """The index's own consistency: required keys, one rank file per saving rank, and each flat parameter's names,
     shapes and offsets fitting its padded buffer (``world_size * shard_numel`` elements)."""
 
@@ -138,8 +138,6 @@ def check_index(directory: Path, index: Any, files_only: bool = False) -> None:
     expected = {rank_file(r) for r in range(world)}
     if set(index["files"]) != expected:
         raise bad(f"lists rank files {sorted(index['files'])}, but world_size {world} means {sorted(expected)}")
-    if files_only:
-        return
     for i, entry in enumerate(index["flat_params"]):
         names, shapes, offsets = entry.get("names"), entry.get("shapes"), entry.get("offsets")
         shard = entry.get("shard_numel")

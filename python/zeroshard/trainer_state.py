@@ -145,6 +145,13 @@ class _Decoder:
             self._pickled = _unpickle(self.directory / PICKLED, self.weights_only, "; ".join(self.pickled_what))
         return self._pickled[key]
 
+    def numeric(self, text: str) -> np.dtype:
+        """A numeric numpy dtype from its ``dtype.str`` (never an object dtype)."""
+        dtype = np.dtype(str(text))
+        if dtype.kind not in "biuf":
+            raise ValueError(f"{self.directory / STRUCTURE}: {text!r} is not a numeric numpy dtype")
+        return dtype
+
     def __call__(self, obj: Any) -> Any:
         if not isinstance(obj, dict):
             if isinstance(obj, list):
@@ -169,17 +176,19 @@ class _Decoder:
         if tag == "$tensor":
             return self.tensor(value)
         if tag == "$dtype":
-            return getattr(torch, value)
+            dtype = getattr(torch, str(value), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"{self.directory / STRUCTURE}: {value!r} is not a torch dtype")
+            return dtype
         if tag == "$device":
             return torch.device(value)
         if tag == "$size":
             return torch.Size(value)
         if tag == "$ndarray":
-            return np.frombuffer(self.tensor(value).numpy().tobytes(), dtype=np.dtype(obj["dtype"])).reshape(
-                obj["shape"]
-            )
+            raw = self.tensor(value).numpy().tobytes()
+            return np.frombuffer(raw, dtype=self.numeric(obj["dtype"])).reshape(obj["shape"]).copy()
         if tag == "$npscalar":
-            return np.dtype(value).type(obj["value"])
+            return self.numeric(value).type(obj["value"])
         if tag == "$pickle":
             return self.pickled(value)
         raise ValueError(f"{self.directory / STRUCTURE}: unknown tag {tag!r}")
@@ -231,7 +240,11 @@ def load(directory: str | os.PathLike, weights_only: bool | None = None) -> dict
             structure = doc["state"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{directory / STRUCTURE} is not a zeroshard trainer state ({e})") from None
-        return _Decoder(directory, weights_only, _pickled_entries(structure, []))(structure)
+        try:
+            return _Decoder(directory, weights_only, _pickled_entries(structure, []))(structure)
+        except (KeyError, TypeError, AttributeError, StopIteration) as e:
+            problem = f"{type(e).__name__}: {e}"
+            raise ValueError(f"{directory / STRUCTURE} is not a zeroshard trainer state ({problem})") from None
     if (directory / LEGACY).is_file():
         return _unpickle(directory / LEGACY, weights_only, "the whole trainer state, in the older single-file layout")
     return {}

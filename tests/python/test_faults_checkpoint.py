@@ -118,6 +118,19 @@ def test_objects_without_json_form_load_only_with_weights_only_false(tmp_path):
         assert trainer_state.load(tmp_path) == state
 
 
+def test_the_json_decoder_builds_only_data(tmp_path):
+    """trainer.json can name no callable: a "dtype" that is a torch function or a numpy object dtype is an error."""
+    trainer_state.save(tmp_path, {"a": np.arange(3)})
+    for bad, message in [({"$dtype": "load"}, "'load' is not a torch dtype"), ({"$tensor": "t9"}, "KeyError")]:
+        (tmp_path / "trainer.json").write_text(json.dumps({"format_version": 1, "state": bad}))
+        with pytest.raises(ValueError, match=message):
+            trainer_state.load(tmp_path)
+    obj = {"$ndarray": "t0", "dtype": "|O", "shape": [3]}
+    (tmp_path / "trainer.json").write_text(json.dumps({"format_version": 1, "state": obj}))
+    with pytest.raises(ValueError, match=re.escape("'|O' is not a numeric numpy dtype")):
+        trainer_state.load(tmp_path)
+
+
 def test_a_crafted_pickle_is_refused_and_runs_no_code(clean, tmp_path):
     """The exploit of issue 10 in every place a pickle can be: a re-sealed trainer.pickle of a new checkpoint, the
     older layout's trainer.pt, and ``consolidate --format lightning``. The error names the file and the opt-in."""
