@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,10 @@ def _agree(value: Any, group) -> list[Any]:
 
 
 def _error(path: Path, rank: int, step: str, e: BaseException) -> dict[str, str]:
-    after = "the new checkpoint is committed" if step == "cleaning up" else "the previous checkpoint is untouched"
+    after = {
+        "cleaning up": "the new checkpoint is committed",
+        "committing": "the checkpoint is the previous or the new version, whole (a load logs which)",
+    }.get(step, "the previous checkpoint is untouched")
     return {"error": f"sharded checkpoint {path}: rank {rank} failed {step} ({type(e).__name__}: {e}); {after}"}
 
 
@@ -195,7 +199,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
             checkpoint_dir.cleanup(pending, _LEGACY_FILES)
             kill_point("after_cleanup", me)
         except Exception as e:
-            if step != "cleaning up":
+            if step == "writing the index":  # a failed commit may have moved the pointer: leave it to the next save
                 _discard(pending)
             status = _error(path, me, step, e)
     _agree(status, group)
@@ -203,8 +207,6 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
 
 def _discard(pending) -> None:
     """Removes an uncommitted version directory (best effort; the next save would remove it anyway)."""
-    import shutil
-
     shutil.rmtree(pending.dir, ignore_errors=True)
 
 
