@@ -109,7 +109,7 @@ def run_rank(args: argparse.Namespace) -> None:
     report = timed("pretrained load", lambda: load_pretrained(fresh.module, out / "weights" / "model.safetensors"))
     rows["pretrained load"].update(bytes_read=report.bytes_read, bytes_total=report.bytes_total)
     sizes = {
-        "sharded": sum(f.stat().st_size for f in (out / "sharded").iterdir()),
+        "sharded": sum(f.stat().st_size for f in (out / "sharded").rglob("*") if f.is_file()),  # LATEST + v00001/
         "full": (out / "full.pt").stat().st_size,
     }
     gathered = [None] * dist.get_world_size()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from zeroshard.hf_export import hf_config_files, hf_tensor_plan, merge_lora
-from zeroshard.sharded_checkpoint import _SavedShards, read_trainer_state, verify
+from zeroshard.sharded_checkpoint import _SavedShards, open_checkpoint, read_trainer_state, verify
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -65,10 +65,11 @@ def plan_parameters(ckpt: str | Path, *, master: bool = True) -> list[_Item]:
     Tied weights appear under every name the module's ``state_dict()`` had.
 
     Raises:
-        FileNotFoundError / ValueError: for a missing or corrupt file (checked against the index first).
+        FileNotFoundError / ValueError: for a missing, corrupt or inconsistent file, the index included (every file is
+            checked first: :func:`zeroshard.sharded_checkpoint.verify`).
     """
-    ckpt = Path(ckpt)
-    saved = _SavedShards(ckpt, verify(ckpt))
+    where, index = open_checkpoint(ckpt)
+    saved = _SavedShards(where.dir, index)
     index = saved.index
 
     def parameter(name: str) -> _Item:
@@ -175,22 +176,27 @@ def consolidate(
     dtype: torch.dtype | None = None,
     max_shard_size: int = 5 * 10**9,
     master: bool = True,
+    weights_only: bool | None = None,
 ) -> list[Path]:
     """Writes the checkpoint's full parameters to ``out``; returns the files written.
 
     safetensors output is streamed (peak memory about the largest tensor); ``fmt="torch"`` (the state dict) and
     ``fmt="lightning"`` (:func:`lightning_checkpoint`: Lightning's format, for ``load_from_checkpoint``) build the whole
-    state dict in memory, as ``torch.save`` needs.
+    state dict in memory, as ``torch.save`` needs. ``weights_only=False`` (``--allow-pickle``) lets ``lightning``
+    read trainer-state objects saved with pickle (:mod:`zeroshard.trainer_state`).
 
     Raises:
-        ValueError: for an unknown ``fmt``; FileNotFoundError / ValueError for a missing or corrupt checkpoint file.
+        ValueError: for an unknown ``fmt``; FileNotFoundError / ValueError for a missing or corrupt checkpoint file;
+        UnsafeCheckpointError: ``fmt="lightning"``, pickled trainer state and ``weights_only`` not False.
     """
     out, cast = Path(out), _caster(dtype)
     items = plan_parameters(ckpt, master=master)
     if fmt in ("torch", "lightning"):
         out.parent.mkdir(parents=True, exist_ok=True)
         state = {item.name: item.read().to(cast(item.dtype)) for item in items}
-        torch.save({**read_trainer_state(ckpt), "state_dict": state} if fmt == "lightning" else state, out)
+        if fmt == "lightning":
+            state = {**read_trainer_state(ckpt, weights_only), "state_dict": state}
+        torch.save(state, out)
         return [out]
     if fmt != "safetensors":
         raise ValueError(f"--format {fmt!r}: use 'safetensors', 'torch' or 'lightning'")
@@ -205,10 +211,11 @@ def full_state_dict(ckpt: str | Path, *, master: bool = True) -> dict[str, torch
     return {item.name: item.read() for item in plan_parameters(ckpt, master=master)}
 
 
-def lightning_checkpoint(ckpt: str | Path) -> dict[str, Any]:
+def lightning_checkpoint(ckpt: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
     """The checkpoint in Lightning's format without optimizer state: the saved trainer state (``hyper_parameters``,
-    ``pytorch-lightning_version``, loops, callbacks, ...) plus ``state_dict`` (:func:`full_state_dict`)."""
-    return {**read_trainer_state(ckpt), "state_dict": full_state_dict(ckpt)}
+    ``pytorch-lightning_version``, loops, callbacks, ...; pickled objects only with ``weights_only=False``) plus
+    ``state_dict`` (:func:`full_state_dict`)."""
+    return {**read_trainer_state(ckpt, weights_only), "state_dict": full_state_dict(ckpt)}
 
 
 def export_hf(
@@ -281,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="cast floating tensors (default: as saved)")
     p.add_argument("--max_shard_size", default="5GB", help="largest output file, e.g. 500MB, 5GB")
     p.add_argument("--no-master", action="store_true", help="write the compute-dtype parameters, not fp32 masters")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="--format lightning: also load trainer-state objects saved with pickle (e.g. a dataclass in "
+        "hyper_parameters); unpickling can run code: only for checkpoints you trust (weights_only=False)",
+    )
     args = p.parse_args(argv)
     dtype = _DTYPES[args.dtype] if args.dtype else None
     if args.hf:
@@ -297,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=dtype,
             max_shard_size=_parse_size(args.max_shard_size),
             master=not args.no_master,
+            weights_only=False if args.allow_pickle else None,
         )
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} file(s), {total / 2**20:.1f} MiB: " + ", ".join(str(f) for f in files))

@@ -350,10 +350,10 @@ class ZeroFabricStrategy(DDPStrategy):
             )
         if isinstance(state, Module):
             self._objects_in({"model": state})
-            load_sharded(self.engine, path)
+            load_sharded(self.engine, path, weights_only=weights_only)
             return {}
         objects = self._objects_in(state)
-        saved = load_sharded(self.engine, path)
+        saved = load_sharded(self.engine, path, weights_only=weights_only)
         saved_objects = saved.pop(_FABRIC_OBJECTS, None)  # None: written by the Trainer
         if strict and saved_objects is not None:
             _validate_keys_for_strict_loading(objects, saved_objects, strict)

@@ -1,27 +1,37 @@
 """Sharded checkpoints: each rank writes its own flat shards; any world size and stage loads them.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (the commit protocol: :mod:`zeroshard.checkpoint_dir`)::
 
-    index.json                 layouts of every flat parameter (names, shapes, offsets, shard size), optimizer param
-                               groups and scalar state, the size and SHA-256 of every file, and the Hugging Face
+    LATEST                     {"version": "v00007", "manifest_sha256": ...}: the committed version, replaced
+                               atomically (tmp + fsync + os.replace + directory fsync) as a save's last step
+    v00006/                    the previous version, kept until the next save commits
+    v00007/
+      index.json               layouts of every flat parameter (names, shapes, offsets, shard size), optimizer param
+                               groups and scalar state, the size and SHA-256 of every rank file, and the Hugging Face
                                models inside the module (prefix, class, config; for ``consolidate --hf``)
-    rank00000.safetensors ...  one per saving rank (with hybrid sharding only replica group 0 writes; the index
+      rank00000.safetensors .. one per saving rank (with hybrid sharding only replica group 0 writes; the index
                                says so): its parameter shard, fp32 master shard and per-element optimizer
                                state shards for every flat parameter (``flat.{i}.param``, ``flat.{i}.master``,
                                ``flat.{i}.optim.{key}``) and its torch (and CUDA) RNG state (``rng.*``); rank 0 adds
                                persistent buffers and unsharded parameters
-    trainer.pt                 Lightning's non-model state (loops, schedulers, RNG, precision), ``torch.save``
+      trainer.json, trainer.safetensors (, trainer.pickle)
+                               Lightning's non-model state (loops, schedulers, callbacks, precision, RNG), without
+                               pickle (:mod:`zeroshard.trainer_state`; ``trainer.pickle`` holds only objects JSON
+                               cannot, and loads only with ``weights_only=False``)
+      manifest.json            size and SHA-256 of every file above; its own hash is in ``LATEST``
 
-No rank gathers anything to save. A save goes to ``<path>.partial`` and is renamed to ``<path>`` only when every rank
-has finished, so a crash mid-save leaves the previous checkpoint whole. On load each rank works out, from the saved
+No rank gathers anything to save. Every file is fsynced before the commit, so a crash at any point of a save leaves
+``LATEST`` naming a complete version: the old one before the commit, the new one after. Loading verifies every file
+and the layout against the safetensors headers and the model before changing any state
+(:mod:`zeroshard.checkpoint_verify`) and logs which version it loaded. The older single-version layout (``index.json``
+directly in the directory, ``trainer.pt``) still loads. On load each rank works out, from the saved
 layouts and its own new ones (``FlatParamLayout.shard_slices``), which element ranges of which saved shards it needs
 and reads only those (safetensors slices are memory-mapped), so N ranks can save and M ranks load (DeepSpeed needs an
-offline conversion for that; FSDP2 does it through DCP). Files are checked against the index's sizes and checksums.
+offline conversion for that; FSDP2 does it through DCP).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -30,46 +40,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zeroshard import checkpoint_dir
+from zeroshard import trainer_state as trainer_state_module
+from zeroshard.checkpoint_dir import POINTER, Resolved, fsync_dir, fsync_file, kill_point
+from zeroshard.checkpoint_verify import (
+    INDEX,
+    MANIFEST,
+    CheckpointError,
+    check_model,
+    file_entry,
+    verify_files,
+    write_manifest,
+)
+from zeroshard.checkpoint_verify import rank_file as _rank_file
 from zeroshard.hf_export import describe_hf_models
 
-INDEX = "index.json"
-TRAINER_STATE = "trainer.pt"
-FORMAT_VERSION = 1
+__all__ = ["CheckpointError", "is_sharded_checkpoint", "load_sharded", "read_trainer_state", "save_sharded", "verify"]
+FORMAT_VERSION = 2
+_LEGACY_FILES = [INDEX, trainer_state_module.LEGACY, "rank*.safetensors"]
 
 
-def _rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] | None = None) -> None:
-    """Writes a sharded checkpoint directory; collective (every rank calls it with the same ``path``).
-
-    Raises:
-        OSError: from the file system; the previous checkpoint at ``path`` is then untouched.
-    """
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    rank, world = engine.rank, engine.world_size
-    group = engine.groups.world  # every data-parallel rank takes part in the barriers
-    if engine.replicate_rank != 0:  # hybrid sharding: replica group 0 holds the same shards and writes them
-        _wait_for_writers(group)
-        return
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    dist.barrier(group=group)
-
+def _rank_tensors(engine) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
+    """This rank's shards (and, on rank 0, buffers and unsharded parameters), the flat layouts and scalar state."""
     tensors: dict[str, torch.Tensor] = {}
     layouts, scalar_state = [], {}
     for i, fp in enumerate(engine.all_flat_params):
@@ -96,61 +92,122 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    if rank == 0:
+    if engine.rank == 0:
         for name, b in persistent_buffers(engine.module):
             tensors[f"buffer.{name}"] = b.detach().cpu()
         for name, p in engine.unsharded_parameters():
             tensors[f"param.{name}"] = p.detach().cpu()
-    file = partial / _rank_file(rank)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(file))
-    info = {"file": file.name, "bytes": file.stat().st_size, "sha256": _sha256(file)}
-
-    infos: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(infos, info, group=group)
-    infos = [i for i in infos if i is not None]
-    if rank == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.param_groups]
-        index = {
-            "format_version": FORMAT_VERSION,
-            "world_size": world,
-            "replicate_size": engine.replicate_size,  # shard groups in the saving run; the files are group 0's
-            "written_by_replica": 0,
-            "stage": engine.config.stage,
-            "flat_params": layouts,
-            "optimizer": {
-                "param_groups": groups,
-                "scalar_state": scalar_state,
-                "group_optimizer": engine.optim.group_optimizer,  # which optimizer owns each group
-            },
-            "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
-            "aliases": _aliases(engine.module),
-            "hf_models": describe_hf_models(engine.module),  # what `consolidate --hf` needs: prefix, config
-        }
-        (partial / INDEX).write_text(json.dumps(index, indent=1, default=str))
-        torch.save(trainer_state or {}, partial / TRAINER_STATE)
-        old = path.with_name(path.name + ".old")
-        _remove(old)
-        if path.exists() or path.is_symlink():
-            path.rename(old)
-        partial.rename(path)  # the commit point: before it, `path` is the previous checkpoint, whole
-        _remove(old)
-    dist.barrier(group=group)
+    return {k: v.contiguous() for k, v in tensors.items()}, layouts, scalar_state
 
 
-def _wait_for_writers(group) -> None:
-    """The collectives of :func:`save_sharded` on a rank that writes nothing (another replica group writes)."""
-    dist.barrier(group=group)
-    dist.all_gather_object([None] * dist.get_world_size(group), None, group=group)
-    dist.barrier(group=group)
+def _agree(value: Any, group) -> list[Any]:
+    """``value`` of every rank of ``group`` (an all-gather); raises on every rank if any rank sent an error."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    errors = [v["error"] for v in values if isinstance(v, dict) and "error" in v]
+    if errors:
+        raise OSError("; ".join(errors))
+    return values
 
 
-def _remove(path: Path) -> None:
-    """Removes a directory tree, a file or a symbolic link (``save_last="link"`` makes ``last.ckpt`` a link to a
-    checkpoint directory: the link goes, its target stays). Errors are ignored: this only tidies up."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+def _error(path: Path, rank: int, step: str, e: BaseException) -> dict[str, str]:
+    after = {
+        "cleaning up": "the new checkpoint is committed",
+        "committing": "the checkpoint is the previous or the new version, whole (a load logs which)",
+    }.get(step, "the previous checkpoint is untouched")
+    return {"error": f"sharded checkpoint {path}: rank {rank} failed {step} ({type(e).__name__}: {e}); {after}"}
+
+
+def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] | None = None) -> None:
+    """Writes a new version of the sharded checkpoint at ``path`` and commits it; collective (every rank calls it
+    with the same ``path``).
+
+    ``trainer_state`` (rank 0's) is stored without pickle where it can be (:mod:`zeroshard.trainer_state`).
+
+    Raises:
+        OSError: on every rank, naming the rank and the step, when any rank fails; before the commit the previous
+            checkpoint at ``path`` is untouched.
+    """
+    path = Path(path)
+    group = engine.groups.world  # every data-parallel rank takes part
+    me = dist.get_rank()
+    writes = engine.replicate_rank == 0  # hybrid sharding: replica group 0 holds the same shards and writes them
+    coordinator = writes and engine.rank == 0
+    kill_point("before_write", me)
+    plan: Any = None
+    if coordinator:
+        try:
+            plan = checkpoint_dir.begin(path)
+        except Exception as e:
+            plan = _error(path, me, "creating the version directory", e)
+    [pending] = [p for p in _agree(plan, group) if p is not None]
+
+    info: Any = None
+    if writes:
+        try:
+            tensors, layouts, scalar_state = _rank_tensors(engine)
+            file = pending.dir / _rank_file(engine.rank)
+            save_file(tensors, str(file))
+            kill_point("rank_file_written", me)
+            fsync_file(file)
+            info = {"file": file.name, **file_entry(file)}
+        except Exception as e:
+            info = _error(path, me, "writing its rank file", e)
+    try:
+        infos = [i for i in _agree(info, group) if i is not None]
+    except OSError:
+        if coordinator:
+            _discard(pending)
+        raise
+
+    status: Any = None
+    if coordinator:
+        step = "writing the index"
+        try:
+            kill_point("after_rank_files", me)
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.param_groups]
+            index = {
+                "format_version": FORMAT_VERSION,
+                "world_size": engine.world_size,
+                "replicate_size": engine.replicate_size,  # shard groups in the saving run; the files are group 0's
+                "written_by_replica": 0,
+                "stage": engine.config.stage,
+                "flat_params": layouts,
+                "optimizer": {
+                    "param_groups": groups,
+                    "scalar_state": scalar_state,
+                    "group_optimizer": engine.optim.group_optimizer,  # which optimizer owns each group
+                },
+                "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
+                "aliases": _aliases(engine.module),
+                "hf_models": describe_hf_models(engine.module),  # what `consolidate --hf` needs: prefix, config
+            }
+            (pending.dir / INDEX).write_text(json.dumps(index, indent=1, default=str))
+            written = [INDEX, *trainer_state_module.save(pending.dir, trainer_state or {})]
+            for name in written:
+                fsync_file(pending.dir / name)
+            entries = {name: file_entry(pending.dir / name) for name in written}
+            entries.update(index["files"])
+            manifest_sha = write_manifest(pending.dir, entries)
+            fsync_file(pending.dir / MANIFEST)
+            fsync_dir(pending.dir)
+            kill_point("before_pointer", me)
+            step = "committing"
+            checkpoint_dir.commit(pending, manifest_sha, me)  # the commit point
+            kill_point("after_pointer", me)
+            step = "cleaning up"
+            checkpoint_dir.cleanup(pending, _LEGACY_FILES)
+            kill_point("after_cleanup", me)
+        except Exception as e:
+            if step == "writing the index":  # a failed commit may have moved the pointer: leave it to the next save
+                _discard(pending)
+            status = _error(path, me, step, e)
+    _agree(status, group)
+
+
+def _discard(pending) -> None:
+    """Removes an uncommitted version directory (best effort; the next save would remove it anyway)."""
+    shutil.rmtree(pending.dir, ignore_errors=True)
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -173,11 +230,17 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return Path(path, INDEX).is_file()
+    """Whether ``path`` is for the sharded loader: any directory (one that is no checkpoint gets :func:`verify`'s
+    error saying what it lacks, not ``IsADirectoryError`` from ``torch.load``), or a missing path whose
+    ``<path>.partial`` holds a committed checkpoint (:mod:`zeroshard.checkpoint_dir`)."""
+    p = Path(path)
+    if p.is_dir():
+        return True
+    return not p.exists() and not p.is_symlink() and (p.with_name(p.name + ".partial") / POINTER).is_file()
 
 
 class _SavedShards:
-    """Element ranges of the saved flat shards, read lazily per rank file."""
+    """Element ranges of the saved flat shards, read lazily per rank file. ``path`` is the version directory."""
 
     def __init__(self, path: Path, index: dict) -> None:
         self.path = path
@@ -196,6 +259,9 @@ class _SavedShards:
     def read(self, kind: str, name: str, start: int, end: int, out: torch.Tensor) -> bool:
         """Copies elements [start, end) of parameter ``name``'s ``kind`` (param, master, optim.KEY) into ``out``."""
         if name not in self.where:
+            if kind in ("param", "master") and f"param.{name}" in self._file(0).keys():  # saved whole (frozen, 1-2)
+                out.copy_(self._file(0).get_tensor(f"param.{name}").reshape(-1)[start:end])
+                return True
             return False
         i, off = self.where[name]
         shard = self.index["flat_params"][i]["shard_numel"]
@@ -218,39 +284,50 @@ class _SavedShards:
     def read_whole(self, key: str) -> torch.Tensor:
         return self._file(0).get_tensor(key)
 
+    def read_parameter(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A whole parameter: saved whole (``param.NAME``) or assembled from flat shards (saved at stage 3)."""
+        if f"param.{name}" in self._file(0).keys():
+            return self.read_whole(f"param.{name}")
+        out = torch.empty(like.numel(), dtype=torch.float32)
+        self.read("master", name, 0, like.numel(), out)
+        return out.view(like.shape)
 
-def verify(path: str | os.PathLike) -> dict:
-    """Checks that every file the index lists exists with its size and checksum; returns the index.
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Resolved, dict]:
+    """Resolves the committed version at ``path`` and verifies its files and layout; returns it and its index.
 
     Raises:
-        FileNotFoundError / ValueError: naming the missing, truncated or corrupt file.
+        FileNotFoundError / CheckpointError (a ``ValueError``): naming what is missing, corrupt or inconsistent.
     """
-    path = Path(path)
-    index = json.loads((path / INDEX).read_text())
-    for name, meta in index["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise FileNotFoundError(f"sharded checkpoint {path}: {name} is missing (the index lists it)")
-        size = file.stat().st_size
-        if size != meta["bytes"]:
-            raise ValueError(f"sharded checkpoint {path}: {name} has {size} bytes, the index says {meta['bytes']}")
-        if _sha256(file) != meta["sha256"]:
-            raise ValueError(f"sharded checkpoint {path}: {name} is corrupt (SHA-256 differs from the index)")
-    return index
+    where = checkpoint_dir.resolve(path, INDEX)
+    return where, verify_files(where)
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """Checks every file of the checkpoint at ``path`` (sizes, SHA-256, the index against the safetensors headers);
+    returns the index.
+
+    Raises:
+        FileNotFoundError / CheckpointError (a ``ValueError``): naming the missing, truncated or corrupt file.
+    """
+    return open_checkpoint(path)[1]
 
 
 @torch.no_grad()
-def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
+def load_sharded(engine, path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """Loads a sharded checkpoint saved at any world size and stage into ``engine``; returns the trainer state.
 
-    Each rank verifies the files, then reads only the element ranges its own shards need.
-    """
-    path = Path(path)
-    index = verify(path)
-    saved = _SavedShards(path, index)
-    # the fp32 master where one was saved (else the parameter), into the master or, when it aliases it, the shard
-    engine.load_shards_from(lambda name, a, b, out: saved.read("master", name, a, b, out))
+    Every rank verifies every file, the layout and the fit to the model, and reads the trainer state, before any
+    state changes; then it reads only the element ranges its own shards need. ``weights_only=False`` allows the
+    trainer state's pickled objects (:mod:`zeroshard.trainer_state`), as in Lightning.
 
+    Raises:
+        FileNotFoundError / CheckpointError: a missing, corrupt or inconsistent checkpoint, or one that does not fit
+            the model (naming the file or parameter). UnsafeCheckpointError: pickled trainer state without
+            ``weights_only=False``. ValueError: other optimizers than the saving run's.
+    """
+    where, index = open_checkpoint(path)
+    check_model(where.dir, index, engine, persistent_buffers(engine.module))
     saved_groups = index["optimizer"]["param_groups"]
     saved_owner = index["optimizer"].get("group_optimizer", [0] * len(saved_groups))
     if saved_owner != engine.optim.group_optimizer:
@@ -259,6 +336,11 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
             f"this run's own {engine.optim.group_optimizer}: build the same optimizers and param groups as the run "
             "that saved it"
         )
+    state = trainer_state_module.load(where.dir, weights_only)
+
+    saved = _SavedShards(where.dir, index)
+    # the fp32 master where one was saved (else the parameter), into the master or, when it aliases it, the shard
+    engine.load_shards_from(lambda name, a, b, out: saved.read("master", name, a, b, out))
     for group, saved_group in zip(engine.optim.param_groups, saved_groups):
         for k, v in saved_group.items():
             group[k] = tuple(v) if isinstance(group.get(k), tuple) else v  # JSON turned tuples (betas) into lists
@@ -271,30 +353,39 @@ def load_sharded(engine, path: str | os.PathLike) -> dict[str, Any]:
         if i is None:
             continue
         keys = [k.split(".optim.", 1)[1] for k in saved._file(0).keys() if k.startswith(f"flat.{i}.optim.")]
-        state: dict[str, Any] = {}
+        opt_state: dict[str, Any] = {}
         for key in keys:
             t = torch.zeros(fp.layout.shard_numel, dtype=torch.float32, device=fp.master.device)
             for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
                 saved.read(f"optim.{key}", fp.names[pi], p_off, p_off + n, t[s_off : s_off + n])
-            state[key] = t
+            opt_state[key] = t
         for key, value in scalar_state.get(str(i), {}).items():
-            state[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
-        if state:
-            engine.optim.optimizer_of(fp).state[fp.master] = state
+            opt_state[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
+        if opt_state:
+            engine.optim.optimizer_of(fp).state[fp.master] = opt_state
     for name, b in persistent_buffers(engine.module):
         b.copy_(saved.read_whole(f"buffer.{name}"))
     for name, p in engine.unsharded_parameters():
-        p.data.copy_(saved.read_whole(f"param.{name}"))
+        p.data.copy_(saved.read_parameter(name, p))
     same_layout = index["world_size"] == engine.world_size and index.get("replicate_size", 1) == engine.replicate_size
     if same_layout and engine.replicate_rank == 0:  # same ranks: each continues its own random stream
-        own = safe_open(str(path / _rank_file(engine.rank)), framework="pt")
+        own = saved._file(engine.rank)
         torch.set_rng_state(own.get_tensor("rng.torch"))
         if "rng.cuda" in own.keys() and torch.cuda.is_available():
             torch.cuda.set_rng_state(own.get_tensor("rng.cuda"))
-    return read_trainer_state(path)
+    rank_zero_info(
+        f"zeroshard: loaded sharded checkpoint {where.root}, version {where.version} ({len(index['files'])} rank "
+        f"files, saved by {index['world_size']} ranks at stage {index.get('stage')}; every file verified)"
+    )
+    return state
 
 
-def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+def read_trainer_state(path: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's non-model state saved with the checkpoint (loops, schedulers, ``hyper_parameters``, the
-    ``pytorch-lightning_version`` key, ...); ``{}`` for a checkpoint saved without one."""
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=False)
+    ``pytorch-lightning_version`` key, ...), after verifying the checkpoint; ``{}`` for one saved without it.
+
+    Raises:
+        UnsafeCheckpointError: pickled objects and ``weights_only`` is not False; as :func:`verify` otherwise.
+    """
+    where, _ = open_checkpoint(path)
+    return trainer_state_module.load(where.dir, weights_only)

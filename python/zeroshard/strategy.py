@@ -34,6 +34,7 @@ from zeroshard.process_group import init_and_destroy_at_exit
 from zeroshard.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
 from zeroshard.strategy_settings import as_timeout, register_names
+from zeroshard.trainer_state import lightning_weights_only
 
 # ``tensor_init_context()`` called without an argument: Lightning's ``configure_model`` path (``trainer.init_module``
 # passes ``empty_init`` explicitly).
@@ -381,10 +382,11 @@ class ZeroStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(checkpoint_path):
+        weights_only = lightning_weights_only(weights_only)  # Lightning 2.6 drops it when restoring after setup
+        if is_sharded_checkpoint(checkpoint_path):  # any directory: one that is no checkpoint gets a clear error
             if self._engine is None:  # validate/test/predict on a fresh Trainer: the whole model, on every rank
-                return lightning_checkpoint(checkpoint_path)
-            state = load_sharded(self._engine, checkpoint_path)
+                return lightning_checkpoint(checkpoint_path, weights_only=weights_only)
+            state = load_sharded(self._engine, checkpoint_path, weights_only=weights_only)
             return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

@@ -117,11 +117,14 @@ def test_fabric_writes_the_trainers_sharded_format(runs):
     """The directory holds what the Trainer writes (index, one safetensors file per rank, trainer state), and the
     consolidation tool reads from it the parameters that ``fabric.load`` restored."""
     ckpt = runs / "save_stage2.ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == [
+    assert sorted(p.name for p in ckpt.iterdir()) == ["LATEST", "v00001"]
+    assert sorted(p.name for p in (ckpt / "v00001").iterdir()) == [
         "index.json",
+        "manifest.json",
         "rank00000.safetensors",
         "rank00001.safetensors",
-        "trainer.pt",
+        "trainer.json",
+        "trainer.safetensors",
     ]
     assert zeroshard.sharded_checkpoint.is_sharded_checkpoint(ckpt)
     loaded = torch.load(runs / "loaded_stage1.pt")  # after fabric.load and zero further steps

@@ -3,14 +3,14 @@ checked for missing and corrupt files. The reference is the consolidated checkpo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from launch import run_ranks
 
-from zeroshard.sharded_checkpoint import INDEX, verify
+from zeroshard.checkpoint_dir import resolve
+from zeroshard.sharded_checkpoint import verify
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_sharded.py"
 
@@ -41,7 +41,7 @@ def test_loads_at_any_world_size_and_stage(saved, world, stage):
 
 
 def test_each_rank_wrote_only_its_shards(saved):
-    index = json.loads((saved / "sharded" / INDEX).read_text())
+    index = verify(saved / "sharded")
     assert sorted(index["files"]) == ["rank00000.safetensors", "rank00001.safetensors"]
     sizes = [index["files"][f]["bytes"] for f in sorted(index["files"])]
     full = (saved / "full.ckpt").stat().st_size
@@ -64,15 +64,16 @@ def test_missing_and_corrupt_files_are_named(saved, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(saved / "sharded", bad)
-    data = bytearray((bad / "rank00001.safetensors").read_bytes())
+    file = resolve(bad).dir / "rank00001.safetensors"  # in the committed version directory
+    data = bytearray(file.read_bytes())
     data[-10] ^= 0xFF
-    (bad / "rank00001.safetensors").write_bytes(bytes(data))
+    file.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="rank00001.safetensors is corrupt"):
         verify(bad)
-    (bad / "rank00001.safetensors").write_bytes(bytes(data[:-100]))
+    file.write_bytes(bytes(data[:-100]))
     with pytest.raises(ValueError, match="rank00001.safetensors has .* bytes"):
         verify(bad)
-    (bad / "rank00001.safetensors").unlink()
+    file.unlink()
     with pytest.raises(FileNotFoundError, match="rank00001.safetensors is missing"):
         verify(bad)
 
