@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from ckpt_tools import version_dir  # noqa: E402
 from hf_causal_lm import FIXED_BATCH, HFCausalLM, build_hf_model  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
@@ -104,7 +105,7 @@ def test_non_persistent_buffers_are_not_saved(runs, tmp_path):
     from safetensors.torch import load_file
 
     ckpt = runs[0] / "llama_s2" / "ckpt"
-    with safe_open(str(ckpt / "rank00000.safetensors"), "pt") as f:
+    with safe_open(str(version_dir(ckpt) / "rank00000.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if "inv_freq" in k]
     consolidate_cli(str(ckpt), str(tmp_path / "plain"))
     plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
