@@ -26,9 +26,11 @@ from torch.optim import Optimizer
 
 from zeroshard import _C
 from zeroshard.buckets import BucketPlan, plan_buckets
+from zeroshard.collective_errors import named_collective
 from zeroshard.comm_stats import summarize
 from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
+from zeroshard.gather_check import dedicated_group
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.hybrid import HybridGradReduction, data_parallel_groups
 from zeroshard.init_plan import check_plan, plan_init, run_plan
@@ -107,6 +109,7 @@ class ZeroEngine:
         self.world_size = self.collectives.world_size  # ranks per shard group (the number of shards)
         self.replicate_collectives = _C.BucketedCollectives(groups.replicate) if groups.replicate else None
         self.replicate_rank, self.replicate_size = groups.replicate_rank, groups.replicate_size
+        self.steps = 0  # after_step calls so far (trainer.global_step with one optimizer); named in errors
         self._comm_stats = {"shard": self.collectives.stats}
         if self.replicate_collectives is not None:
             self._comm_stats["replicate"] = self.replicate_collectives.stats
@@ -158,6 +161,7 @@ class ZeroEngine:
             on_reduced=self.offload.gradient_reduced if self.offload else None,
             on_finished=self._on_backward_finished,
         )
+        self.reducer.step_fn = lambda: self.steps
         module._zeroshard_engine = self
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
@@ -258,9 +262,12 @@ class ZeroEngine:
                 build(i)
         self._broadcast(list(self.module.buffers()))
         units = [built[i] for i in range(len(plans))]
+        # unit all-gathers on a group of their own: they only ever meet other ranks' all-gathers (see gather_check)
+        self.gather_collectives = _C.BucketedCollectives(dedicated_group(self.process_group))
+        self._comm_stats["shard_gather"] = self.gather_collectives.stats
         self.sharded = ShardedUnits(
             units,
-            self.collectives,
+            self.gather_collectives,
             prefetch=self.config.prefetch,
             check_gather_order=self.config.check_gather_order,
         )
@@ -268,6 +275,7 @@ class ZeroEngine:
         ordered = [(b, fp) for i in reversed(range(len(units))) for b, fp in zip(plans[i].buckets, units[i].trainable)]
         self.sharded.bind_flat_params()
         self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
+        self.sharded.step_fn = lambda: self.steps
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
     def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool]]) -> None:
@@ -391,6 +399,7 @@ class ZeroEngine:
         self._gather_full_params(stepped)
         for stats in self._comm_stats.values():
             stats.end_step()
+        self.steps += 1
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent through the engine's collectives, per kind (all-gather, reduce-scatter, all-reduce),
@@ -407,10 +416,11 @@ class ZeroEngine:
         """Clips every optimizer's master gradients by their global norm across all shards; returns the norm before
         clipping. One optimizer: an :class:`~zeroshard.offload.OffloadedAdam` folds the coefficient into its step
         (:func:`clip_master_grads_`)."""
-        if len(self.optimizers) == 1:
-            return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group)
-        grads = [g for opt in self.optimizers for g in master_gradients(opt)]
-        return clip_grads_(grads, max_norm, norm_type, self.process_group)
+        with self._named("gradient-norm all-reduce", "the gradient shards of every bucket"):
+            if len(self.optimizers) == 1:
+                return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group)
+            grads = [g for opt in self.optimizers for g in master_gradients(opt)]
+            return clip_grads_(grads, max_norm, norm_type, self.process_group)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
@@ -561,11 +571,16 @@ class ZeroEngine:
         all-gather); stage 3 gathers on use."""
         flat_params = self.flat_params if flat_params is None else flat_params
         if self.sharded is None and flat_params:
-            self.collectives.all_gather(
-                [fp.shard for fp in flat_params],
-                [fp.full for fp in flat_params],
-                self.config.allgather_bucket_size,
-            ).wait()
+            with self._named("parameter all-gather", lambda: f"{len(flat_params)} buckets after the optimizer step"):
+                self.collectives.all_gather(
+                    [fp.shard for fp in flat_params],
+                    [fp.full for fp in flat_params],
+                    self.config.allgather_bucket_size,
+                ).wait()
+
+    def _named(self, collective: str, what):
+        """Re-raises a failure of the block as a CollectiveError naming ``collective``, ``what``, step and rank."""
+        return named_collective(collective, what, step=self.steps, rank=self.rank, world_size=self.world_size)
 
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Parameters no flat parameter holds (frozen or optimizer-less ones at stages 1-2): whole on every rank."""

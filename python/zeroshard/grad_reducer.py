@@ -25,6 +25,7 @@ import torch
 from torch.autograd import Variable
 
 from zeroshard import _C
+from zeroshard.collective_errors import describe_bucket, named_collective
 from zeroshard.flat_param import FlatParam
 
 
@@ -70,6 +71,7 @@ class GradReducer:
         self._backward_active = False
         self._grads_ready = False
         self._handles = []
+        self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
         for fi, fp in enumerate(flat_params):
             for pi, p in enumerate(fp.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(fi, pi)))
@@ -129,8 +131,15 @@ class GradReducer:
 
     def _complete_oldest(self) -> None:
         fi, handle = self._inflight.popleft()
-        handle.wait()
         fp = self.flat_params[fi]
+        with named_collective(
+            "gradient reduce-scatter",
+            lambda: describe_bucket(fi, fp.names, fp.numel),
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.world_size,
+        ):
+            handle.wait()
         if self.stage == 1:
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:
