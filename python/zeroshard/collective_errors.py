@@ -32,6 +32,11 @@ class CollectiveError(RuntimeError):
         self.collective, self.what, self.step, self.rank, self.timed_out = collective, what, step, rank, timed_out
 
 
+class DivergedRanksError(RuntimeError):
+    """Ranks reached different stage-3 units at the same all-gather (they took different code paths); raised on every
+    rank before the gathered buffer is used, naming each rank's unit (:mod:`zeroshard.gather_check`)."""
+
+
 def is_timeout(err: BaseException) -> bool:
     """Whether a backend error is a timeout (gloo: ``Timed out waiting ...``; NCCL: ``Watchdog caught collective
     operation timeout``) rather than a lost peer or a mismatch."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from zeroshard import _C
+from zeroshard import _C, gather_check
 from zeroshard.buckets import BucketPlan, plan_buckets
 from zeroshard.collective_errors import named_collective
 from zeroshard.comm_stats import summarize
@@ -263,8 +263,11 @@ class ZeroEngine:
         self._broadcast(list(self.module.buffers()))
         units = [built[i] for i in range(len(plans))]
         # unit all-gathers on a group of their own: they only ever meet other ranks' all-gathers (see gather_check)
-        self.gather_collectives = _C.BucketedCollectives(dedicated_group(self.process_group))
-        self._comm_stats["shard_gather"] = self.gather_collectives.stats
+        if gather_check.ENABLED:
+            self.gather_collectives = _C.BucketedCollectives(dedicated_group(self.process_group))
+            self._comm_stats["shard_gather"] = self.gather_collectives.stats
+        else:
+            self.gather_collectives = self.collectives
         self.sharded = ShardedUnits(
             units,
             self.gather_collectives,

@@ -26,6 +26,10 @@ import torch.distributed as dist
 
 TAG_ELEMS = 4
 
+# Read when an engine is built. Only benchmarks/bench_gather_check.py turns it off, to measure what the check costs
+# (its engines then gather without tags, on the shard group, as before the check existed).
+ENABLED = True
+
 
 def encode(index: int, backward: bool) -> list[int]:
     """The :data:`TAG_ELEMS` small integers for unit ``index`` gathered for forward or backward."""

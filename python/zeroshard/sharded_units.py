@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard import _C, gather_check
-from zeroshard.collective_errors import named_collective
+from zeroshard.collective_errors import DivergedRanksError, named_collective
 from zeroshard.flat_param import FlatParam
 from zeroshard.sharded_param import ShardedParameter
 
@@ -137,6 +137,7 @@ class ShardedUnits:
         self._root_gathered_by: list[bool] = []  # per root-hook call: whether it gathered the root unit
         self.step_fn = lambda: None  # the engine's step counter, for error messages
         self._deferred_tags: list[tuple[int, torch.Tensor]] = []  # CUDA: tags checked at the end of the step
+        self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
         self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
         for i, unit in enumerate(units):
             if unit.is_root:
@@ -172,29 +173,32 @@ class ShardedUnits:
             for fp in unit.flat_params:
                 fp.alloc_full()
             tag, tags = self._tag_buffers(index, unit)
-            fulls = [fp.full for fp in unit.flat_params] + [tags]
-            bucket = sum(fp.layout.padded_numel for fp in unit.flat_params) + tags.numel()
+            fulls = [fp.full for fp in unit.flat_params] + tags
+            bucket = sum(f.numel() for f in fulls)
             if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
                 unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
             else:
-                shards = [fp.shard for fp in unit.flat_params] + [tag]
+                shards = [fp.shard for fp in unit.flat_params] + tag
                 with self._named("all-gather (launch)", unit):
                     unit.pending = self.collectives.all_gather(shards, fulls, bucket)
         if wait and unit.pending is not None:
             self._wait(unit)
 
-    def _tag_buffers(self, index: int, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tag_buffers(self, index: int, unit: Unit) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's gather tag for unit ``index`` (:data:`~zeroshard.gather_check.TAG_ELEMS` elements, the
-        parameters' dtype and device) and the buffer receiving every rank's tag."""
+        parameters' dtype and device) and the buffer receiving every rank's tag, as lists to append to the all-gather's
+        shards and fulls (empty when the check is off)."""
         fp0 = unit.flat_params[0]
         unit.backward = torch._C._current_graph_task_id() != -1
+        if not self.tagged:
+            return [], []
         unit.tag_sent = gather_check.encode(index, unit.backward)
         tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
         tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
         if unit.tags is None:
             world = self.collectives.world_size
             unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
-        return tag, unit.tags
+        return [tag], [unit.tags]
 
     def _check_tags(self, index: int, tags: torch.Tensor) -> None:
         """Raises if the ranks' tags of the all-gather just completed differ (ranks gathered different units)."""
@@ -207,7 +211,7 @@ class ShardedUnits:
             else f"rank {t[0]} -> '{self.units[t[1]].name}' ({'backward' if t[2] else 'forward'})"
             for r, t in enumerate(ranks)
         )
-        raise RuntimeError(
+        raise DivergedRanksError(
             f"zeroshard: ranks diverged: at one all-gather (step {self.step_fn()}, this is rank "
             f"{self.collectives.rank}, gathering '{self.units[index].name}') the ranks gathered different units: "
             f"{where}. Every rank must run the same units in the same order (ZeRO-3 all-gathers are collective); make "
@@ -235,7 +239,7 @@ class ShardedUnits:
             world_size=self.collectives.world_size,
         )
 
-    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int, tag: torch.Tensor):
+    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int, tag: list[torch.Tensor]):
         """Parameter offload: host shards -> device staging -> all-gather, on a side stream.
 
         The host-to-device copies and the all-gather run on ``_param_stream`` so a prefetch does not hold up the
@@ -248,7 +252,7 @@ class ShardedUnits:
         stream = self._param_stream
         stream.wait_stream(torch.cuda.current_stream(fulls[0].device))
         with torch.cuda.stream(stream):
-            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params] + [tag]
+            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params] + tag
             with self._named("all-gather (launch)", unit):
                 handle = self.collectives.all_gather(staging, fulls, bucket)
         return handle, staging
@@ -263,11 +267,12 @@ class ShardedUnits:
         handle, unit.pending = unit.pending, None
         with self._named("parameter all-gather", unit):
             handle.wait()
-        index = self.units.index(unit)
-        if unit.tags.is_cuda:
-            self._deferred_tags.append((index, unit.tags.clone()))
-        else:
-            self._check_tags(index, unit.tags)
+        if self.tagged:
+            index = self.units.index(unit)
+            if unit.tags.is_cuda:
+                self._deferred_tags.append((index, unit.tags.clone()))
+            else:
+                self._check_tags(index, unit.tags)
         unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
         for fp in unit.flat_params:
             fp.is_gathered = True
@@ -499,7 +504,7 @@ class ShardedUnits:
                 f"rank {r} -> '{self.units[u].name}' ({'backward' if ph else 'forward'})"
                 for r, (u, ph) in enumerate(pairs)
             )
-            raise RuntimeError(
+            raise DivergedRanksError(
                 f"zeroshard: ranks diverged at all-gather #{self._gather_count}: {where}. Every rank must run the same "
                 "units in the same order (ZeRO-3 all-gathers are collective); make the control flow in forward "
                 "depend only on what is the same on every rank."

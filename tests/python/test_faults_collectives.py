@@ -1,0 +1,93 @@
+"""Issue 10, section 4: a frozen or diverged rank ends the job with an error naming the cause; NumPy views of gathered
+parameters do not break leaving ``gathered_parameters()``.
+
+Every run is 2 gloo ranks with a 10 s process-group timeout, under run_ranks' hard deadline: a regression fails, it
+does not hang.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from launch import run_ranks
+
+WORKER = Path(__file__).parent / "scripts" / "faults_collectives.py"
+
+
+def _failed_run(mode: str, stage: int, out: Path) -> str:
+    with pytest.raises(AssertionError) as info:
+        run_ranks(WORKER, [mode, str(stage), str(out)], timeout=150)
+    report = str(info.value)
+    assert "killed after" not in report, report[-4000:]  # ended by the error, not by the deadline
+    return report
+
+
+def _rank_output(report: str, rank: int) -> str:
+    parts = re.split(r"===== rank (\d+) \(exit (-?\d+)\) =====", report)
+    for i in range(1, len(parts), 3):
+        if int(parts[i]) == rank:
+            return parts[i + 2]
+    raise AssertionError(f"no output of rank {rank} in: {report[-2000:]}")
+
+
+@pytest.mark.parametrize(
+    "stage, collective, what",
+    [
+        (1, "gradient reduce-scatter", "gradient bucket 0 ('norm.bias'"),
+        (2, "gradient reduce-scatter", "gradient bucket 0 ('norm.bias'"),
+        (3, "parameter all-gather", "unit '<root>' (forward)"),
+    ],
+)
+def test_a_frozen_rank_ends_the_job_naming_collective_unit_step_and_rank(tmp_path, stage, collective, what):
+    # rank 1 SIGSTOPs itself at the start of step 2; rank 0 waits in its first collective of that step
+    report = _failed_run("stop", stage, tmp_path)
+    rank0 = _rank_output(report, 0)
+    assert "zeroshard.collective_errors.CollectiveError" in rank0, rank0[-3000:]
+    line = next(ln for ln in rank0.splitlines() if "zeroshard: the " in ln)
+    assert f"the {collective} of {what}" in line, line
+    assert "failed on rank 0 (of 2) at step 2: it timed out" in line, line
+    assert "ZeroStrategy(timeout=" in line and "Timed out waiting 10000ms" in line, line  # the backend's error kept
+
+
+@pytest.mark.parametrize("mode", ["swap", "skip"])
+def test_diverged_ranks_end_with_an_error_naming_both_units_without_the_debug_check(tmp_path, mode):
+    # at step 3 rank 1 runs the same-size blocks in the other order (swap) or skips the second one (skip):
+    # check_gather_order is off; the tag each unit all-gather carries catches it before the buffer is used
+    report = _failed_run(mode, 3, tmp_path)
+    for rank in (0, 1):
+        out = _rank_output(report, rank)
+        line = next((ln for ln in out.splitlines() if "DivergedRanksError: zeroshard: ranks diverged" in ln), None)
+        assert line is not None, out[-3000:]
+        assert "step 3" in line and f"this is rank {rank}" in line, line
+        assert "rank 0 -> 'blocks." in line and "rank 1 -> 'blocks." in line, line
+        assert "'blocks.0'" in line and "'blocks.1'" in line, line  # both units named
+    assert "terminate called" not in report  # no backend abort on a mismatched collective
+
+
+def test_numpy_views_of_gathered_parameters_survive_leaving_the_block(tmp_path):
+    run_ranks(WORKER, ["numpy", "3", str(tmp_path)], timeout=200)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"numpy_rank{rank}.json").read_text())
+        assert got == {
+            "same_after_exit": True,  # the arrays keep the values they viewed
+            "regathered_equal": True,  # the shards were not disturbed
+            "forward_equal": True,  # a forward after the block (gathering into fresh buffers) equals one inside
+            "forward_after_write_equal": True,  # writing the old array does not reach the model
+        }, (rank, got)
+
+
+def test_train_gpt_timeout_flag_reaches_the_strategy(monkeypatch):
+    from datetime import timedelta
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    import train_gpt
+
+    for extra in (["--stage", "3"], ["--strategy", "ddp"]):
+        strategy = train_gpt.make_strategy(train_gpt.parse_args(["--timeout", "90", *extra]))
+        assert strategy._timeout == timedelta(seconds=90), extra
+    assert train_gpt.make_strategy(train_gpt.parse_args([]))._timeout == timedelta(minutes=30)  # Lightning's default
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--timeout", "0"])
