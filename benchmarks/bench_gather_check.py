@@ -1,0 +1,178 @@
+"""What does the always-on gather check cost? ZeRO-3 step time with and without the unit tag (CPU, gloo, 2 ranks).
+
+Every stage-3 unit all-gather carries 4 extra elements per rank (the unit's index and phase) on a process group of its
+own, and every rank compares the gathered tags before using the buffer (:mod:`zeroshard.gather_check`). This times
+full training steps (forward, backward, AdamW step) of the example GPT (``examples/gpt.py``, one unit per block) under
+two engines built side by side over identical models, ``tagged`` (the default) and ``untagged`` (the check off:
+``gather_check.ENABLED = False`` while that engine is built, all-gathers on the shard group without a tag), one step of
+each per round in alternating order, so machine load drifts hit both alike. The cost is the median over rounds of the
+per-round ratio ``tagged / untagged - 1``. It also times the check alone (the host-side comparison of one gathered
+tag) and counts the extra bytes.
+
+Run as 2 ranks (each rank a process; rank 0 prints and writes the JSON):
+
+    python benchmarks/bench_gather_check.py                    # launches 2 gloo ranks itself
+    python benchmarks/bench_gather_check.py --n_layer 8 --n_embd 512 --rounds 30 --json PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+import zeroshard  # noqa: E402
+from gpt import GPT, Block, GPTConfig  # noqa: E402
+from zeroshard import ZeroConfig, ZeroEngine, gather_check  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n_layer", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=256)
+    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each engine per round)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gather_check_cpu.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+class Run:
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
+        self.model = GPT(cfg)
+        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        gather_check.ENABLED = name == "tagged"
+        try:
+            self.engine = ZeroEngine(self.model, opt, ZeroConfig(stage=3, wrap_policy=Block))
+        finally:
+            gather_check.ENABLED = True
+        self.name = name
+        g = torch.Generator().manual_seed(1 + dist.get_rank())
+        self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
+        self.step_s: list[float] = []
+
+    def step(self, record: bool) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.engine.begin_step()
+        logits = self.model(self.x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), self.x[:, 1:].reshape(-1))
+        loss.backward()
+        self.engine.finish_backward()
+        self.engine.optimizer.step()
+        self.engine.after_step()
+        dt = time.perf_counter() - t0
+        if record:
+            self.step_s.append(dt)
+
+
+def check_alone_us(world: int) -> float:
+    """Microseconds of one host-side tag comparison (what every rank adds per all-gather on CPU)."""
+    tags = torch.tensor(gather_check.encode(7, False) * world, dtype=torch.bfloat16)
+    n = 20000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        gather_check.disagreement(tags)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    runs = [Run("tagged", args), Run("untagged", args)]
+    for _ in range(args.warmup):
+        for r in runs:
+            r.step(record=False)
+    for i in range(args.rounds):
+        for r in runs if i % 2 == 0 else runs[::-1]:
+            r.step(record=True)
+    # per-round ratios, paired within a round; the slower rank's time is the step time
+    times = {}
+    for r in runs:
+        t = torch.tensor(r.step_s, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times[r.name] = t.tolist()
+    tagged_units = runs[0].engine.sharded
+    gathers = tagged_units.collectives.stats.last_step()["all_gather"]
+    units = len(tagged_units.units)
+    tag_elem_bytes = tagged_units.units[0].flat_params[0].full.element_size()
+    if rank == 0:
+        ratios = [a / b - 1 for a, b in zip(times["tagged"], times["untagged"])]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        check_us = check_alone_us(world)
+        result = {
+            "benchmark": "bench_gather_check",
+            "command": " ".join([Path(sys.executable).name, *sys.argv]).replace(" --worker", ""),
+            "machine": {
+                "host": socket.gethostname(),
+                "platform": platform.platform(),
+                "processor": platform.processor(),
+                "cpu_count": os.cpu_count(),
+                "cpu_isa": zeroshard.cpu_isa(),
+            },
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "zeroshard": zeroshard.__version__,
+            },
+            "config": {k: v for k, v in vars(args).items() if k not in ("worker", "json")},
+            "world_size": world,
+            "backend": "gloo",
+            "units": units,
+            "all_gathers_per_step": gathers["calls"],
+            "tag_bytes_per_all_gather_per_rank": gather_check.TAG_ELEMS * tag_elem_bytes,
+            "step_ms_median": {k: 1e3 * v for k, v in med.items()},
+            "step_ms_all": {k: [1e3 * x for x in v] for k, v in times.items()},
+            "overhead_pct_median_of_paired_rounds": 100 * statistics.median(ratios),
+            "overhead_pct_of_medians": 100 * (med["tagged"] / med["untagged"] - 1),
+            "check_alone_us_per_all_gather": check_us,
+            "check_alone_pct_of_step": 100 * check_us * 1e-6 * gathers["calls"] / med["tagged"],
+        }
+        print(f"{'config':<10} {'median step ms':>15}")
+        for k, v in med.items():
+            print(f"{k:<10} {1e3 * v:>15.2f}")
+        print(f"units {units}, all-gathers per step {gathers['calls']}, {args.rounds} paired rounds")
+        print(f"overhead (median of paired rounds): {result['overhead_pct_median_of_paired_rounds']:+.2f} %")
+        print(f"overhead (ratio of medians):        {result['overhead_pct_of_medians']:+.2f} %")
+        print(
+            f"tag check alone: {check_us:.1f} us per all-gather = {result['check_alone_pct_of_step']:.3f} % of a step"
+        )
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    sys.path.insert(0, str(REPO / "tests" / "python"))
+    from launch import run_ranks
+
+    outs = run_ranks(Path(__file__), [*sys.argv[1:], "--worker"], world_size=2, timeout=3600)
+    print(outs[0])
+
+
+if __name__ == "__main__":
+    main()
