@@ -6,8 +6,9 @@ full training steps (forward, backward, AdamW step) of the example GPT (``exampl
 two engines built side by side over identical models, ``tagged`` (the default) and ``untagged`` (the check off:
 ``gather_check.ENABLED = False`` while that engine is built, all-gathers on the shard group without a tag), one step of
 each per round in alternating order, so machine load drifts hit both alike. The cost is the median over rounds of the
-per-round ratio ``tagged / untagged - 1``. It also times the check alone (the host-side comparison of one gathered
-tag) and counts the extra bytes.
+per-round ratio ``tagged / untagged - 1``, for the wall clock (the slower rank) and for the CPU time of each
+rank's process (every thread, gloo's included; the mean over ranks), which a loaded machine disturbs less. It also
+times the parts alone: the 4-element tag all-gather (wall and CPU) and the host-side comparison of one gathered tag.
 
 Run as 2 ranks (each rank a process; rank 0 prints and writes the JSON):
 
@@ -67,11 +68,12 @@ class Run:
         self.name = name
         g = torch.Generator().manual_seed(1 + dist.get_rank())
         self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
-        self.step_s: list[float] = []
+        self.step_s: list[float] = []  # wall clock, this rank
+        self.cpu_s: list[float] = []  # CPU time of this process (all its threads, gloo's included)
 
     def step(self, record: bool) -> None:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.engine.begin_step()
         logits = self.model(self.x)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), self.x[:, 1:].reshape(-1))
@@ -79,9 +81,10 @@ class Run:
         self.engine.finish_backward()
         self.engine.optimizer.step()
         self.engine.after_step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         if record:
             self.step_s.append(dt)
+            self.cpu_s.append(cpu)
 
 
 def check_alone_us(world: int) -> float:
@@ -92,6 +95,17 @@ def check_alone_us(world: int) -> float:
     for _ in range(n):
         gather_check.disagreement(tags)
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def tag_collective_us(collectives, world: int, n: int = 300) -> tuple[float, float]:
+    """(wall, CPU) microseconds of one 4-element tag all-gather alone, issued and waited back to back."""
+    shard = torch.tensor(gather_check.encode(7, False), dtype=torch.float32)
+    full = torch.empty(world * gather_check.TAG_ELEMS)
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        collectives.all_gather([shard], [full], full.numel()).wait()
+    return (time.perf_counter() - t0) / n * 1e6, (time.process_time() - c0) / n * 1e6
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -106,18 +120,24 @@ def worker(args: argparse.Namespace) -> None:
         for r in runs if i % 2 == 0 else runs[::-1]:
             r.step(record=True)
     # per-round ratios, paired within a round; the slower rank's time is the step time
-    times = {}
+    times, cpu = {}, {}
     for r in runs:
         t = torch.tensor(r.step_s, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times[r.name] = t.tolist()
+        c = torch.tensor(r.cpu_s, dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.SUM)
+        cpu[r.name] = (c / world).tolist()
     tagged_units = runs[0].engine.sharded
+    tag_wall_us, tag_cpu_us = tag_collective_us(tagged_units.collectives, world)
     gathers = tagged_units.collectives.stats.last_step()["all_gather"]
     units = len(tagged_units.units)
     tag_elem_bytes = tagged_units.units[0].flat_params[0].full.element_size()
     if rank == 0:
         ratios = [a / b - 1 for a, b in zip(times["tagged"], times["untagged"])]
         med = {k: statistics.median(v) for k, v in times.items()}
+        cpu_ratios = [a / b - 1 for a, b in zip(cpu["tagged"], cpu["untagged"])]
+        cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
         check_us = check_alone_us(world)
         result = {
             "benchmark": "bench_gather_check",
@@ -144,15 +164,31 @@ def worker(args: argparse.Namespace) -> None:
             "step_ms_all": {k: [1e3 * x for x in v] for k, v in times.items()},
             "overhead_pct_median_of_paired_rounds": 100 * statistics.median(ratios),
             "overhead_pct_of_medians": 100 * (med["tagged"] / med["untagged"] - 1),
+            "cpu_ms_per_rank_median": {k: 1e3 * v for k, v in cpu_med.items()},
+            "cpu_overhead_pct_median_of_paired_rounds": 100 * statistics.median(cpu_ratios),
+            "cpu_overhead_pct_of_medians": 100 * (cpu_med["tagged"] / cpu_med["untagged"] - 1),
+            "load_average_1min_at_end": os.getloadavg()[0],
+            "tag_all_gather_alone_us": {"wall": tag_wall_us, "cpu": tag_cpu_us},
+            "tag_all_gather_cpu_pct_of_step_cpu": 100 * tag_cpu_us * 1e-6 * gathers["calls"] / cpu_med["tagged"],
             "check_alone_us_per_all_gather": check_us,
             "check_alone_pct_of_step": 100 * check_us * 1e-6 * gathers["calls"] / med["tagged"],
         }
-        print(f"{'config':<10} {'median step ms':>15}")
+        print(f"{'config':<10} {'median step ms':>15} {'median CPU ms/rank':>18}")
         for k, v in med.items():
-            print(f"{k:<10} {1e3 * v:>15.2f}")
+            print(f"{k:<10} {1e3 * v:>15.2f} {1e3 * cpu_med[k]:>18.2f}")
         print(f"units {units}, all-gathers per step {gathers['calls']}, {args.rounds} paired rounds")
         print(f"overhead (median of paired rounds): {result['overhead_pct_median_of_paired_rounds']:+.2f} %")
         print(f"overhead (ratio of medians):        {result['overhead_pct_of_medians']:+.2f} %")
+        print(
+            f"CPU-time overhead (median of paired rounds): {result['cpu_overhead_pct_median_of_paired_rounds']:+.2f} %"
+        )
+        print(f"CPU-time overhead (ratio of medians):        {result['cpu_overhead_pct_of_medians']:+.2f} %")
+        tag_pct = result["tag_all_gather_cpu_pct_of_step_cpu"]
+        print(
+            f"tag all-gather alone: {tag_wall_us:.0f} us wall, {tag_cpu_us:.0f} us CPU; x {gathers['calls']} per step "
+            f"= {tag_pct:.2f} % of a step's CPU time"
+        )
+        print(f"load average at the end: {result['load_average_1min_at_end']:.1f} ({os.cpu_count()} CPUs)")
         print(
             f"tag check alone: {check_us:.1f} us per all-gather = {result['check_alone_pct_of_step']:.3f} % of a step"
         )

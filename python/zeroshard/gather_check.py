@@ -4,9 +4,14 @@ Ranks that take different code paths in forward (``if rank == 1: skip a block``)
 all-gather. When those units have the same size (transformer blocks usually do) the collective succeeds and every rank
 goes on with a buffer whose slices come from different units: training on parameters mixed across blocks, silently
 (neither DeepSpeed nor FSDP catches it: their issues #7170 and #158719). Here each unit all-gather carries
-:data:`TAG_ELEMS` extra elements per rank in the same collective (the C++ bucket packs them after the unit's shards),
-holding the unit's index and whether the gather is for forward or backward, and every rank compares all ranks' tags
-before the buffer is used. A mismatch raises on every rank, naming each rank's unit.
+:data:`TAG_ELEMS` extra elements per rank, holding the unit's index and whether the gather is for forward or backward:
+one ``BucketedCollectives.all_gather`` call and one handle, whose second bucket is the 4-element tag (a bucket of its
+own, so the unit's buffers keep the direct path without a staging copy), issued right after the unit's buffers on the
+same group, hence matched with the same position of every other rank's sequence. Every rank compares all ranks' tags
+when the handle's wait returns, before the buffer is used; a mismatch raises
+:class:`~zeroshard.collective_errors.DivergedRanksError` on every rank, naming each rank's unit. On CUDA the tags are
+compared at the end of the step's backward (one host read per step, no synchronisation inside it), still before the
+optimizer step.
 
 Encoding: the index as three base-256 digits and a phase code (1 forward, 3 backward), each an integer in [0, 255],
 exact in every float dtype (bfloat16 holds integers up to 256 exactly, float16 up to 2048): up to 2**24 units.
@@ -14,9 +19,10 @@ exact in every float dtype (bfloat16 holds integers up to 256 exactly, float16 u
 Unit all-gathers run on a process group of their own (:func:`dedicated_group`), so the sequence of all-gathers a rank
 issues is only ever matched with other ranks' all-gathers, never with a gradient reduce-scatter that another rank
 reached first: the reduce-scatters follow the fixed bucket order on every rank (the reducer launches the buckets in
-order, zeros for unused ones), and the all-gathers carry the tags. That removes the mismatched-size collectives (gloo
-aborts the process on those: ``op.preamble.length <= op.nbytes``) that one rank's extra or missing unit otherwise
-causes.
+order, zeros for unused ones), and the all-gathers carry the tags. That removes the mismatch of an all-gather with a
+reduce-scatter of another size (gloo aborts the process on those: ``op.preamble.length <= op.nbytes``) that one rank's
+extra or missing unit otherwise causes. Two units of different sizes meeting at one all-gather (a block against the
+root unit) still make the backend fail before any tag arrives; ``check_gather_order=True`` names those too.
 """
 
 from __future__ import annotations

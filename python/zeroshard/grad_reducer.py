@@ -12,6 +12,10 @@ When backward ends (an autograd engine callback, with the strategy's ``post_back
 did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
 take part in the same collectives and none hangs (the failure mode of pytorch issue 158719).
 
+A reduction that fails or times out (a dead or frozen rank) is re-raised as a
+:class:`~zeroshard.collective_errors.CollectiveError` naming the bucket (its index and parameters), the step and the
+rank.
+
 During gradient accumulation (``require_grad_sync = False``) gradients only accumulate in the full buffers; the
 reduction runs once, in the last micro-batch's backward, like DDP's ``no_sync``.
 """
