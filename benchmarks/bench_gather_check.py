@@ -3,9 +3,10 @@
 Every stage-3 unit all-gather carries 4 extra elements per rank (the unit's index and phase) on a process group of its
 own, and every rank compares the gathered tags before using the buffer (:mod:`zeroshard.gather_check`). This times
 full training steps (forward, backward, AdamW step) of the example GPT (``examples/gpt.py``, one unit per block) under
-two engines built side by side over identical models, ``tagged`` (the default) and ``untagged`` (the check off:
-``gather_check.ENABLED = False`` while that engine is built, all-gathers on the shard group without a tag), one step of
-each per round in alternating order, so machine load drifts hit both alike. The cost is the median over rounds of the
+three engines built side by side over identical models, ``tagged`` (the default), ``untagged`` (the check off:
+``gather_check.ENABLED = False`` while that engine is built, all-gathers on the shard group without a tag, as before)
+and ``group_only`` (the dedicated group, no tag), one step of each per round in rotating order, so machine load drifts
+hit all alike. The cost is the median over rounds of the
 per-round ratio ``tagged / untagged - 1``, for the wall clock (the slower rank) and for the CPU time of each
 rank's process (every thread, gloo's included; the mean over ranks), which a loaded machine disturbs less. It also
 times the parts alone: the 4-element tag all-gather (wall and CPU) and the host-side comparison of one gathered tag.
@@ -60,11 +61,13 @@ class Run:
         cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
         self.model = GPT(cfg)
         opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        gather_check.ENABLED = name == "tagged"
+        gather_check.ENABLED = name != "untagged"
         try:
             self.engine = ZeroEngine(self.model, opt, ZeroConfig(stage=3, wrap_policy=Block))
         finally:
             gather_check.ENABLED = True
+        if name == "group_only":  # the dedicated all-gather group, without the tag
+            self.engine.sharded.tagged = False
         self.name = name
         g = torch.Generator().manual_seed(1 + dist.get_rank())
         self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
@@ -97,8 +100,14 @@ def check_alone_us(world: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+# tagged: the default (dedicated all-gather group + tag); untagged: as before the check (shard group, no tag);
+# group_only: the dedicated group without the tag, to tell the tag's cost from the group's effect
+NAMES = ("tagged", "untagged", "group_only")
+
+
 def tag_collective_us(collectives, world: int, n: int = 300) -> tuple[float, float]:
-    """(wall, CPU) microseconds of one 4-element tag all-gather alone, issued and waited back to back."""
+    """(wall, CPU) microseconds of one 4-element tag all-gather alone, issued and waited back to back: an upper bound,
+    since in a step it overlaps the unit's own all-gather and gloo's threads wait for both at once."""
     shard = torch.tensor(gather_check.encode(7, False), dtype=torch.float32)
     full = torch.empty(world * gather_check.TAG_ELEMS)
     dist.barrier()
@@ -112,12 +121,13 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    runs = [Run("tagged", args), Run("untagged", args)]
+    runs = [Run(name, args) for name in NAMES]
     for _ in range(args.warmup):
         for r in runs:
             r.step(record=False)
     for i in range(args.rounds):
-        for r in runs if i % 2 == 0 else runs[::-1]:
+        k = i % len(runs)
+        for r in runs[k:] + runs[:k]:  # rotate the order round by round
             r.step(record=True)
     # per-round ratios, paired within a round; the slower rank's time is the step time
     times, cpu = {}, {}
@@ -138,6 +148,8 @@ def worker(args: argparse.Namespace) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         cpu_ratios = [a / b - 1 for a, b in zip(cpu["tagged"], cpu["untagged"])]
         cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+        tag_ratios = [a / b - 1 for a, b in zip(times["tagged"], times["group_only"])]
+        tag_cpu_ratios = [a / b - 1 for a, b in zip(cpu["tagged"], cpu["group_only"])]
         check_us = check_alone_us(world)
         result = {
             "benchmark": "bench_gather_check",
@@ -164,6 +176,10 @@ def worker(args: argparse.Namespace) -> None:
             "step_ms_all": {k: [1e3 * x for x in v] for k, v in times.items()},
             "overhead_pct_median_of_paired_rounds": 100 * statistics.median(ratios),
             "overhead_pct_of_medians": 100 * (med["tagged"] / med["untagged"] - 1),
+            "tag_only_overhead_pct_median_of_paired_rounds": {
+                "wall": 100 * statistics.median(tag_ratios),
+                "cpu": 100 * statistics.median(tag_cpu_ratios),
+            },
             "cpu_ms_per_rank_median": {k: 1e3 * v for k, v in cpu_med.items()},
             "cpu_overhead_pct_median_of_paired_rounds": 100 * statistics.median(cpu_ratios),
             "cpu_overhead_pct_of_medians": 100 * (cpu_med["tagged"] / cpu_med["untagged"] - 1),
@@ -183,6 +199,8 @@ def worker(args: argparse.Namespace) -> None:
             f"CPU-time overhead (median of paired rounds): {result['cpu_overhead_pct_median_of_paired_rounds']:+.2f} %"
         )
         print(f"CPU-time overhead (ratio of medians):        {result['cpu_overhead_pct_of_medians']:+.2f} %")
+        tag_only = result["tag_only_overhead_pct_median_of_paired_rounds"]
+        print(f"tag alone (tagged vs group_only, paired): wall {tag_only['wall']:+.2f} %, CPU {tag_only['cpu']:+.2f} %")
         tag_pct = result["tag_all_gather_cpu_pct_of_step_cpu"]
         print(
             f"tag all-gather alone: {tag_wall_us:.0f} us wall, {tag_cpu_us:.0f} us CPU; x {gathers['calls']} per step "
