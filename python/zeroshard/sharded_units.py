@@ -168,6 +168,7 @@ class ShardedUnits:
         """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
         unit = self.units[index]
         if unit.pending is None and not unit.is_gathered:
+            unit.backward = torch._C._current_graph_task_id() != -1
             if self.check_gather_order:
                 self._check_same_unit(index)
             for fp in unit.flat_params:
@@ -192,7 +193,6 @@ class ShardedUnits:
         parameters' dtype and device) and the buffer receiving every rank's tag, as lists to append to the all-gather's
         shards and fulls (empty when the check is off)."""
         fp0 = unit.flat_params[0]
-        unit.backward = torch._C._current_graph_task_id() != -1
         if not self.tagged:
             return [], []
         unit.tag_sent = gather_check.encode(index, unit.backward)
@@ -274,6 +274,8 @@ class ShardedUnits:
             index = self.units.index(unit)
             if unit.tags.is_cuda:
                 self._deferred_tags.append((index, unit.tags.clone()))
+                if len(self._deferred_tags) >= 256:  # forwards without a step end (generation): bounded memory
+                    self.check_deferred_tags()
             else:
                 self._check_tags(index, unit.tags)
         unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
