@@ -91,3 +91,25 @@ def test_train_gpt_timeout_flag_reaches_the_strategy(monkeypatch):
     assert train_gpt.make_strategy(train_gpt.parse_args([]))._timeout == timedelta(minutes=30)  # Lightning's default
     with pytest.raises(SystemExit):
         train_gpt.parse_args(["--timeout", "0"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gather_tags_are_exact_in_every_compute_dtype(dtype):
+    import torch
+
+    from zeroshard import gather_check
+
+    dt = getattr(torch, dtype)
+    for index in (0, 1, 255, 256, 2047, 2049, 65_537, (1 << 24) - 1):
+        for backward in (False, True):
+            tag = torch.tensor(gather_check.encode(index, backward), dtype=dt)
+            assert gather_check.decode(tag.float().tolist()) == (index, backward), (dtype, index, backward)
+    same = torch.tensor(gather_check.encode(300, False) * 2, dtype=dt)
+    assert gather_check.disagreement(same) is None
+    # units 1 and 257 differ only in their second digit; bf16 would round 257 itself to 256
+    mixed = torch.tensor(gather_check.encode(1, True) + gather_check.encode(257, True), dtype=dt)
+    assert gather_check.disagreement(mixed) == [(0, 1, True), (1, 257, True)]
+    other = torch.tensor(gather_check.encode(3, False) + [0.5, 7.0, 0.0, 2.0], dtype=dt)  # not a tag
+    assert gather_check.disagreement(other) == [(0, 3, False), None]
+    with pytest.raises(ValueError, match="2\\*\\*24"):
+        gather_check.encode(1 << 24, False)
