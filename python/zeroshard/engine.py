@@ -420,11 +420,10 @@ class ZeroEngine:
         """Clips every optimizer's master gradients by their global norm across all shards; returns the norm before
         clipping. One optimizer: an :class:`~zeroshard.offload.OffloadedAdam` folds the coefficient into its step
         (:func:`clip_master_grads_`)."""
-        with self._named("gradient-norm all-reduce", "the gradient shards of every bucket"):
-            if len(self.optimizers) == 1:
-                return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group)
-            grads = [g for opt in self.optimizers for g in master_gradients(opt)]
-            return clip_grads_(grads, max_norm, norm_type, self.process_group)
+        if len(self.optimizers) == 1:
+            return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group, step=self.steps)
+        grads = [g for opt in self.optimizers for g in master_gradients(opt)]
+        return clip_grads_(grads, max_norm, norm_type, self.process_group, step=self.steps)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
@@ -631,7 +630,12 @@ def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def clip_master_grads_(
-    optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+    optimizer: Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    step: int | None = None,
 ) -> torch.Tensor:
     """Clips ``optimizer``'s master gradients by their global norm (:func:`clip_grads_`); returns the norm.
 
@@ -641,8 +645,10 @@ def clip_master_grads_(
     opt = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
     if isinstance(opt, OffloadedAdam):
         grads = opt.gradients()
-        return clip_grads_(grads, max_norm, norm_type, group, prescale=opt.grad_unscale, apply=opt.fold_grad_clip)
-    return clip_grads_(master_gradients(optimizer), max_norm, norm_type, group)
+        return clip_grads_(
+            grads, max_norm, norm_type, group, prescale=opt.grad_unscale, apply=opt.fold_grad_clip, step=step
+        )
+    return clip_grads_(master_gradients(optimizer), max_norm, norm_type, group, step=step)
 
 
 @torch.no_grad()
@@ -662,6 +668,7 @@ def clip_grads_(
     *,
     prescale: float = 1.0,
     apply: Callable[[torch.Tensor], None] | None = None,
+    step: int | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients sharded across ``group``.
 
@@ -676,12 +683,14 @@ def clip_grads_(
         prescale: a factor still to be applied to the gradients (a power of two: fp16's ``1 / loss_scale``); the
             norm is that of the scaled gradients.
         apply: called with the coefficient (0-dim fp32) instead of scaling ``grads`` in place.
+        step: the optimizer step, named if the all-reduce fails.
 
     Returns:
         The global norm before clipping, a 0-dim fp32 tensor on the first gradient's device (CPU if none).
 
     Raises:
         ValueError: for another ``norm_type``.
+        CollectiveError: the all-reduce failed or timed out (naming it, the step and the rank).
     """
     device = grads[0].device if grads else torch.device("cpu")
     backend_device = _comm_device(group)
@@ -689,13 +698,15 @@ def clip_grads_(
         local = torch.zeros((), dtype=torch.float64, device=backend_device)
         for g in grads:
             local += g.double().pow(2).sum().to(backend_device)
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        with _named_norm_all_reduce(group, step):
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         total = local.sqrt().float()
     elif norm_type == float("inf"):
         local = torch.zeros((), dtype=torch.float32, device=backend_device)
         for g in grads:
             local = torch.maximum(local, g.abs().max().float().to(backend_device))
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        with _named_norm_all_reduce(group, step):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
     else:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) is not supported: use 2.0 or inf")
@@ -708,6 +719,16 @@ def clip_grads_(
     for g in grads:
         g.mul_(clip_coef.to(g.device))
     return total.to(device)
+
+
+def _named_norm_all_reduce(group: dist.ProcessGroup | None, step: int | None):
+    return named_collective(
+        "gradient-norm all-reduce",
+        "every rank's gradient-shard norm",
+        step=step,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+    )
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
