@@ -52,9 +52,10 @@ def collective_error(
     when = f"step {step}" if step is not None else "an unknown step"
     if timed_out:
         cause = (
-            "it timed out: another rank stopped answering (frozen, hung in its own code, or waiting in a different "
-            "collective) for longer than the process group's timeout, ZeroStrategy(timeout=timedelta(...)). Look at "
-            "the other ranks: the first one not to report this error is the one that stopped"
+            "it timed out: no answer from another rank within the process group's timeout "
+            "(ZeroStrategy(timeout=timedelta(...))). Either a rank stopped (frozen, or hung in its own code: the rank "
+            "that reports no such error), or the ranks wait in different collectives (their code paths differ: "
+            "compare the collective and unit each rank's error names)"
         )
     else:
         cause = (

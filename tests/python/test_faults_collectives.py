@@ -52,7 +52,7 @@ def test_a_frozen_rank_ends_the_job_naming_collective_unit_step_and_rank(tmp_pat
     assert "ZeroStrategy(timeout=" in line and "Timed out waiting 10000ms" in line, line  # the backend's error kept
 
 
-@pytest.mark.parametrize("mode", ["swap", "skip"])
+@pytest.mark.parametrize("mode", ["swap", "skip", "skip_first"])
 def test_diverged_ranks_end_with_an_error_naming_both_units_without_the_debug_check(tmp_path, mode):
     # at step 3 rank 1 runs the same-size blocks in the other order (swap) or skips the second one (skip):
     # check_gather_order is off; the tag each unit all-gather carries catches it before the buffer is used
@@ -65,6 +65,18 @@ def test_diverged_ranks_end_with_an_error_naming_both_units_without_the_debug_ch
         assert "rank 0 -> 'blocks." in line and "rank 1 -> 'blocks." in line, line
         assert "'blocks.0'" in line and "'blocks.1'" in line, line  # both units named
     assert "terminate called" not in report  # no backend abort on a mismatched collective
+
+
+def test_ranks_waiting_in_different_collectives_each_name_theirs(tmp_path):
+    # at step 3 rank 1 skips both blocks: rank 0 waits in the all-gather of blocks.0, rank 1 in a gradient
+    # reduce-scatter (all-gathers run on a group of their own, so the two never meet as one mismatched collective,
+    # which gloo answers with an abort): both time out, each naming where it waited
+    report = _failed_run("skip_all", 3, tmp_path)
+    assert "terminate called" not in report
+    rank0, rank1 = _rank_output(report, 0), _rank_output(report, 1)
+    assert "CollectiveError: zeroshard: the parameter all-gather of unit 'blocks.0' (forward) failed on rank 0" in rank0
+    assert "CollectiveError: zeroshard: the gradient reduce-scatter of gradient bucket" in rank1
+    assert "failed on rank 1 (of 2) at step 3: it timed out" in rank1
 
 
 def test_numpy_views_of_gathered_parameters_survive_leaving_the_block(tmp_path):

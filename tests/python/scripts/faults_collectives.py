@@ -6,7 +6,7 @@ Usage: faults_collectives.py MODE STAGE OUT_DIR
 - ``stop``: at step 2 rank 1 freezes itself with SIGSTOP (before its forward). Rank 0 must end with an error naming the
   collective, the bucket or unit, the step and the rank, then kills rank 1 (whose pid it reads from OUT_DIR).
 - ``swap``: at step 3 rank 1 runs the two (same-size) blocks in the opposite order.
-- ``skip``: at step 3 rank 1 skips the second block.
+- ``skip``: at step 3 rank 1 skips the second block; ``skip_first``: the first one; ``skip_all``: both.
 - ``numpy``: trains 2 steps, takes ``.numpy()`` views of parameters inside ``gathered_parameters()``, leaves the block,
   trains 2 more steps; writes ``numpy_rank{r}.json`` with what it saw.
 """
@@ -37,6 +37,10 @@ class Faulty(TinyLM):
             x = self.blocks[0](self.blocks[1](x))
         elif MODE == "skip" and odd:
             x = self.blocks[0](x)
+        elif MODE == "skip_first" and odd:
+            x = self.blocks[1](x)
+        elif MODE == "skip_all" and odd:
+            pass
         else:
             x = self.blocks[1](self.blocks[0](x))
         return self.head(self.norm(x))
