@@ -22,8 +22,9 @@ reached first: the reduce-scatters follow the fixed bucket order on every rank (
 order, zeros for unused ones), and the all-gathers carry the tags. That removes the mismatch of an all-gather with a
 reduce-scatter of another size (gloo aborts the process on those: ``op.preamble.length <= op.nbytes``) that one rank's
 extra or missing unit otherwise causes: such ranks now wait in different collectives until the timeout, each naming
-its own (:class:`~zeroshard.collective_errors.CollectiveError`). Two units of different sizes meeting at one all-gather (a block against the
-root unit) still make the backend fail before any tag arrives; ``check_gather_order=True`` names those too.
+its own (:class:`~zeroshard.collective_errors.CollectiveError`). Two units of different sizes meeting at one
+all-gather (a block against the root unit) still make the backend fail before any tag arrives;
+``check_gather_order=True`` names those too.
 """
 
 from __future__ import annotations
