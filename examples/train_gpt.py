@@ -4,6 +4,7 @@
     python examples/train_gpt.py --strategy ddp        # the same run under plain DDP, for comparison
     python examples/train_gpt.py --accelerator gpu --devices 8 --n_layer 24 --n_embd 2048 --n_head 16 \\
         --precision bf16-mixed --stage 3 --offload_optimizer
+    python examples/train_gpt.py --timeout 600         # a rank silent for 10 minutes ends the job, naming where
 
 Lightning's launcher re-runs this script once per extra rank, so everything happens under ``main()``.
 """
@@ -18,6 +19,7 @@ import platform
 import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py, data.py, ... sit beside this file, any cwd
@@ -65,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="ZeRO stage (zeroshard only)")
     s.add_argument("--offload_optimizer", action="store_true", help="optimizer state + step on the CPU (zeroshard)")
     s.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 = cores / devices")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="collective timeout in seconds: a rank that stops answering this long ends the job with an error naming "
+        "the collective, bucket or unit, step and rank (default: Lightning's 30 minutes; README: Faults)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--summary_json", default=None, help="write the run summary here (rank 0)")
     o.add_argument("--save_ckpt", default=None, help="trainer.save_checkpoint here at the end (zeroshard: a directory)")
@@ -77,7 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--prompt", default="def ")
     o.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
     o.add_argument("--log_dir", default=None, help="CSV logs here; default: no logger, nothing written to cwd")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.timeout is not None and not args.timeout > 0:
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    return args
 
 
 def make_strategy(args: argparse.Namespace):
@@ -85,7 +97,11 @@ def make_strategy(args: argparse.Namespace):
     if args.strategy == "ddp":
         if args.offload_optimizer or args.stage != 2:
             warnings.warn("--stage/--offload_optimizer only apply to --strategy zeroshard; ignored", stacklevel=2)
-        return "ddp"
+        if args.timeout is None:
+            return "ddp"
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(timeout=timedelta(seconds=args.timeout))
     try:
         from zeroshard import ZeroStrategy
     except ImportError as e:
@@ -96,7 +112,8 @@ def make_strategy(args: argparse.Namespace):
         ) from e
     # stage 3 units: one per transformer block; embeddings, final norm and head form the root unit
     wrap_policy = Block if args.stage == 3 else None
-    return ZeroStrategy(stage=args.stage, offload_optimizer=args.offload_optimizer, wrap_policy=wrap_policy)
+    timeout = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
+    return ZeroStrategy(stage=args.stage, offload_optimizer=args.offload_optimizer, wrap_policy=wrap_policy, **timeout)
 
 
 def full_parameters(module: LitGPT):

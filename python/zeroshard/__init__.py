@@ -11,12 +11,14 @@ Public API:
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning.
+    CollectiveError, DivergedRanksError: what a failed or timed-out collective and ranks on different code paths raise.
     ops: functional entry points of the compiled core (``zeroshard.ops.adam_step``).
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from zeroshard import _C, ops  # noqa: F401
+from zeroshard.collective_errors import CollectiveError, DivergedRanksError
 from zeroshard.config import ZeroConfig
 from zeroshard.cpu_adam import CPUAdam
 from zeroshard.engine import ZeroEngine
@@ -33,6 +35,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUAdam",
+    "CollectiveError",
+    "DivergedRanksError",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricPrecision",

@@ -24,11 +24,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from zeroshard import _C
+from zeroshard import _C, gather_check
 from zeroshard.buckets import BucketPlan, plan_buckets
+from zeroshard.collective_errors import named_collective
 from zeroshard.comm_stats import summarize
 from zeroshard.config import ZeroConfig
 from zeroshard.flat_param import FlatParam
+from zeroshard.gather_check import dedicated_group
 from zeroshard.grad_reducer import GradReducer
 from zeroshard.hybrid import HybridGradReduction, data_parallel_groups
 from zeroshard.init_plan import check_plan, plan_init, run_plan
@@ -107,6 +109,7 @@ class ZeroEngine:
         self.world_size = self.collectives.world_size  # ranks per shard group (the number of shards)
         self.replicate_collectives = _C.BucketedCollectives(groups.replicate) if groups.replicate else None
         self.replicate_rank, self.replicate_size = groups.replicate_rank, groups.replicate_size
+        self.steps = 0  # after_step calls so far (trainer.global_step with one optimizer); named in errors
         self._comm_stats = {"shard": self.collectives.stats}
         if self.replicate_collectives is not None:
             self._comm_stats["replicate"] = self.replicate_collectives.stats
@@ -158,6 +161,7 @@ class ZeroEngine:
             on_reduced=self.offload.gradient_reduced if self.offload else None,
             on_finished=self._on_backward_finished,
         )
+        self.reducer.step_fn = lambda: self.steps
         module._zeroshard_engine = self
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
@@ -258,9 +262,15 @@ class ZeroEngine:
                 build(i)
         self._broadcast(list(self.module.buffers()))
         units = [built[i] for i in range(len(plans))]
+        # unit all-gathers on a group of their own: they only ever meet other ranks' all-gathers (see gather_check)
+        if gather_check.ENABLED:
+            self.gather_collectives = _C.BucketedCollectives(dedicated_group(self.process_group))
+            self._comm_stats["shard_gather"] = self.gather_collectives.stats
+        else:
+            self.gather_collectives = self.collectives
         self.sharded = ShardedUnits(
             units,
-            self.collectives,
+            self.gather_collectives,
             prefetch=self.config.prefetch,
             check_gather_order=self.config.check_gather_order,
         )
@@ -268,6 +278,7 @@ class ZeroEngine:
         ordered = [(b, fp) for i in reversed(range(len(units))) for b, fp in zip(plans[i].buckets, units[i].trainable)]
         self.sharded.bind_flat_params()
         self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
+        self.sharded.step_fn = lambda: self.steps
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
     def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool]]) -> None:
@@ -311,6 +322,7 @@ class ZeroEngine:
         """After a step without backward: stage 3 frees the root unit."""
         if self.sharded is not None:
             self.sharded.reshard(0)
+            self.sharded.check_deferred_tags()
 
     def finish_backward(self) -> None:
         """Completes the gradient reduction (idempotent; the autograd engine usually did it already)."""
@@ -391,6 +403,7 @@ class ZeroEngine:
         self._gather_full_params(stepped)
         for stats in self._comm_stats.values():
             stats.end_step()
+        self.steps += 1
 
     def comm_stats(self) -> dict:
         """Bytes this rank sent through the engine's collectives, per kind (all-gather, reduce-scatter, all-reduce),
@@ -408,9 +421,9 @@ class ZeroEngine:
         clipping. One optimizer: an :class:`~zeroshard.offload.OffloadedAdam` folds the coefficient into its step
         (:func:`clip_master_grads_`)."""
         if len(self.optimizers) == 1:
-            return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group)
+            return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group, step=self.steps)
         grads = [g for opt in self.optimizers for g in master_gradients(opt)]
-        return clip_grads_(grads, max_norm, norm_type, self.process_group)
+        return clip_grads_(grads, max_norm, norm_type, self.process_group, step=self.steps)
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
 
@@ -561,11 +574,16 @@ class ZeroEngine:
         all-gather); stage 3 gathers on use."""
         flat_params = self.flat_params if flat_params is None else flat_params
         if self.sharded is None and flat_params:
-            self.collectives.all_gather(
-                [fp.shard for fp in flat_params],
-                [fp.full for fp in flat_params],
-                self.config.allgather_bucket_size,
-            ).wait()
+            with self._named("parameter all-gather", lambda: f"{len(flat_params)} buckets after the optimizer step"):
+                self.collectives.all_gather(
+                    [fp.shard for fp in flat_params],
+                    [fp.full for fp in flat_params],
+                    self.config.allgather_bucket_size,
+                ).wait()
+
+    def _named(self, collective: str, what):
+        """Re-raises a failure of the block as a CollectiveError naming ``collective``, ``what``, step and rank."""
+        return named_collective(collective, what, step=self.steps, rank=self.rank, world_size=self.world_size)
 
     def unsharded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Parameters no flat parameter holds (frozen or optimizer-less ones at stages 1-2): whole on every rank."""
@@ -612,7 +630,12 @@ def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def clip_master_grads_(
-    optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, group: dist.ProcessGroup | None = None
+    optimizer: Optimizer,
+    max_norm: float,
+    norm_type: float = 2.0,
+    group: dist.ProcessGroup | None = None,
+    *,
+    step: int | None = None,
 ) -> torch.Tensor:
     """Clips ``optimizer``'s master gradients by their global norm (:func:`clip_grads_`); returns the norm.
 
@@ -622,8 +645,10 @@ def clip_master_grads_(
     opt = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
     if isinstance(opt, OffloadedAdam):
         grads = opt.gradients()
-        return clip_grads_(grads, max_norm, norm_type, group, prescale=opt.grad_unscale, apply=opt.fold_grad_clip)
-    return clip_grads_(master_gradients(optimizer), max_norm, norm_type, group)
+        return clip_grads_(
+            grads, max_norm, norm_type, group, prescale=opt.grad_unscale, apply=opt.fold_grad_clip, step=step
+        )
+    return clip_grads_(master_gradients(optimizer), max_norm, norm_type, group, step=step)
 
 
 @torch.no_grad()
@@ -643,6 +668,7 @@ def clip_grads_(
     *,
     prescale: float = 1.0,
     apply: Callable[[torch.Tensor], None] | None = None,
+    step: int | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients sharded across ``group``.
 
@@ -657,12 +683,14 @@ def clip_grads_(
         prescale: a factor still to be applied to the gradients (a power of two: fp16's ``1 / loss_scale``); the
             norm is that of the scaled gradients.
         apply: called with the coefficient (0-dim fp32) instead of scaling ``grads`` in place.
+        step: the optimizer step, named if the all-reduce fails.
 
     Returns:
         The global norm before clipping, a 0-dim fp32 tensor on the first gradient's device (CPU if none).
 
     Raises:
         ValueError: for another ``norm_type``.
+        CollectiveError: the all-reduce failed or timed out (naming it, the step and the rank).
     """
     device = grads[0].device if grads else torch.device("cpu")
     backend_device = _comm_device(group)
@@ -670,13 +698,15 @@ def clip_grads_(
         local = torch.zeros((), dtype=torch.float64, device=backend_device)
         for g in grads:
             local += g.double().pow(2).sum().to(backend_device)
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        with _named_norm_all_reduce(group, step):
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         total = local.sqrt().float()
     elif norm_type == float("inf"):
         local = torch.zeros((), dtype=torch.float32, device=backend_device)
         for g in grads:
             local = torch.maximum(local, g.abs().max().float().to(backend_device))
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        with _named_norm_all_reduce(group, step):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = local
     else:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type}) is not supported: use 2.0 or inf")
@@ -689,6 +719,16 @@ def clip_grads_(
     for g in grads:
         g.mul_(clip_coef.to(g.device))
     return total.to(device)
+
+
+def _named_norm_all_reduce(group: dist.ProcessGroup | None, step: int | None):
+    return named_collective(
+        "gradient-norm all-reduce",
+        "every rank's gradient-shard norm",
+        step=step,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+    )
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -12,6 +12,10 @@ When backward ends (an autograd engine callback, with the strategy's ``post_back
 did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
 take part in the same collectives and none hangs (the failure mode of pytorch issue 158719).
 
+A reduction that fails or times out (a dead or frozen rank) is re-raised as a
+:class:`~zeroshard.collective_errors.CollectiveError` naming the bucket (its index and parameters), the step and the
+rank.
+
 During gradient accumulation (``require_grad_sync = False``) gradients only accumulate in the full buffers; the
 reduction runs once, in the last micro-batch's backward, like DDP's ``no_sync``.
 """
@@ -25,6 +29,7 @@ import torch
 from torch.autograd import Variable
 
 from zeroshard import _C
+from zeroshard.collective_errors import describe_bucket, named_collective
 from zeroshard.flat_param import FlatParam
 
 
@@ -70,6 +75,7 @@ class GradReducer:
         self._backward_active = False
         self._grads_ready = False
         self._handles = []
+        self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
         for fi, fp in enumerate(flat_params):
             for pi, p in enumerate(fp.params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(fi, pi)))
@@ -129,8 +135,15 @@ class GradReducer:
 
     def _complete_oldest(self) -> None:
         fi, handle = self._inflight.popleft()
-        handle.wait()
         fp = self.flat_params[fi]
+        with named_collective(
+            "gradient reduce-scatter",
+            lambda: describe_bucket(fi, fp.names, fp.numel),
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.world_size,
+        ):
+            handle.wait()
         if self.stage == 1:
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:

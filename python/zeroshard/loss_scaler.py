@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroshard.collective_errors import named_collective
 from zeroshard.engine import _comm_device
 
 
@@ -77,7 +78,14 @@ class ShardedLossScaler:
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
         if dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            with named_collective(
+                "fp16 overflow all-reduce",
+                "the inf/NaN flags of the gradient shards",
+                step=None,
+                rank=dist.get_rank(group),
+                world_size=dist.get_world_size(group),
+            ):
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         overflow = bool(found.item())
         if not overflow:
             inv = 1.0 / self.scale

@@ -17,10 +17,13 @@ slots hold :class:`~zeroshard.sharded_param.ShardedParameter` placeholders: read
 demand on every rank (a collective), whole-tensor writes land in the shard. The hooks are hidden from
 ``torch.compile`` (``torch.compiler.disable``): a compiled block graph-breaks at its hooks and compiles its body.
 
-Every gather is one bucketed all-gather over the unit's flat parameters. A wait that fails (a collective timeout, a
-dead rank) is re-raised naming the unit, and ``check_gather_order=True`` checks before every all-gather that all ranks
-gather the same unit, so ranks taking different paths end with an error naming both units, never a silent hang or a
-bare collective mismatch (the failure mode of pytorch issue 158719).
+Every gather is one bucketed all-gather over the unit's flat parameters, on a process group of its own, carrying a
+tag (the unit's index and phase, :mod:`zeroshard.gather_check`) that every rank checks before using the buffer: ranks
+that took different code paths end with an error naming every rank's unit, never training on parameters mixed across
+units (the failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is re-raised as
+a :class:`~zeroshard.collective_errors.CollectiveError` naming the unit, the step and the rank.
+``check_gather_order=True`` (debug) also exchanges the unit before every all-gather, which names the divergence even
+where the units' sizes differ (the backend may otherwise abort on the mismatched sizes first).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from zeroshard import _C
+from zeroshard import _C, gather_check
+from zeroshard.collective_errors import DivergedRanksError, named_collective
 from zeroshard.flat_param import FlatParam
 from zeroshard.sharded_param import ShardedParameter
 
@@ -52,6 +56,9 @@ class Unit:
         self.inputs_pending = 0  # forwards of this step whose input gradients are not computed yet
         self.accessed = False  # gathered outside a forward because a placeholder was read (freed on the next event)
         self.dirty = False  # its gathered values may have been written: write them back to the shard when freed
+        self.tag_sent: list[int] | None = None  # gather tag of the all-gather in flight (gather_check.encode)
+        self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
+        self.backward = False  # whether the all-gather in flight is for backward
 
     @property
     def trainable(self) -> list[FlatParam]:
@@ -108,7 +115,8 @@ class ShardedUnits:
 
     Args:
         units: units in registration order, root first.
-        collectives: ``_C.BucketedCollectives`` on the data-parallel group.
+        collectives: ``_C.BucketedCollectives`` for the unit all-gathers: on a group of their own
+            (:func:`~zeroshard.gather_check.dedicated_group`), so they never meet another kind of collective.
         prefetch: all-gather the next unit (forward and backward order, recorded on the first step) while the current
             one computes.
         check_gather_order: debug setting; before every all-gather, check that all ranks gather the same unit.
@@ -127,6 +135,9 @@ class ShardedUnits:
         self._param_stream: torch.cuda.Stream | None = None  # parameter offload: host-to-device copies + all-gather
         self._handles = []
         self._root_gathered_by: list[bool] = []  # per root-hook call: whether it gathered the root unit
+        self.step_fn = lambda: None  # the engine's step counter, for error messages
+        self._deferred_tags: list[tuple[int, torch.Tensor]] = []  # CUDA: tags checked at the end of the step
+        self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
         self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
         for i, unit in enumerate(units):
             if unit.is_root:
@@ -157,20 +168,81 @@ class ShardedUnits:
         """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
         unit = self.units[index]
         if unit.pending is None and not unit.is_gathered:
+            unit.backward = torch._C._current_graph_task_id() != -1
             if self.check_gather_order:
                 self._check_same_unit(index)
             for fp in unit.flat_params:
                 fp.alloc_full()
-            fulls = [fp.full for fp in unit.flat_params]
+            tag, tags = self._tag_buffers(index, unit)
+            fulls = [fp.full for fp in unit.flat_params] + tags
+            # the unit's buffers fill one bucket, so the tag goes in a bucket of its own: a 4-element all-gather right
+            # after the unit's, in the same handle (packing it with the unit would add a staging copy of the whole
+            # unit to every gather: +1 to +2.5 % CPU time per step in bench_gather_check.py)
             bucket = sum(fp.layout.padded_numel for fp in unit.flat_params)
             if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
-                unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket)
+                unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
             else:
-                unit.pending = self.collectives.all_gather([fp.shard for fp in unit.flat_params], fulls, bucket)
+                shards = [fp.shard for fp in unit.flat_params] + tag
+                with self._named("all-gather (launch)", unit):
+                    unit.pending = self.collectives.all_gather(shards, fulls, bucket)
         if wait and unit.pending is not None:
             self._wait(unit)
 
-    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int):
+    def _tag_buffers(self, index: int, unit: Unit) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's gather tag for unit ``index`` (:data:`~zeroshard.gather_check.TAG_ELEMS` elements, the
+        parameters' dtype and device) and the buffer receiving every rank's tag, as lists to append to the all-gather's
+        shards and fulls (empty when the check is off)."""
+        fp0 = unit.flat_params[0]
+        if not self.tagged:
+            return [], []
+        unit.tag_sent = gather_check.encode(index, unit.backward)
+        tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
+        tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+        if unit.tags is None:
+            world = self.collectives.world_size
+            unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
+        return [tag], [unit.tags]
+
+    def _check_tags(self, index: int, tags: torch.Tensor) -> None:
+        """Raises if the ranks' tags of the all-gather just completed differ (ranks gathered different units)."""
+        ranks = gather_check.disagreement(tags)
+        if ranks is None:
+            return
+        where = ", ".join(
+            f"rank {r}: (not a gather tag: that rank's collective was something else)"
+            if t is None
+            else f"rank {t[0]} -> '{self.units[t[1]].name}' ({'backward' if t[2] else 'forward'})"
+            for r, t in enumerate(ranks)
+        )
+        raise DivergedRanksError(
+            f"zeroshard: ranks diverged: at one all-gather (step {self.step_fn()}, this is rank "
+            f"{self.collectives.rank}, gathering '{self.units[index].name}') the ranks gathered different units: "
+            f"{where}. Every rank must run the same units in the same order (ZeRO-3 all-gathers are collective); make "
+            "the control flow in forward depend only on what is the same on every rank. The gathered buffer was not "
+            "used."
+        )
+
+    def check_deferred_tags(self) -> None:
+        """CUDA: checks the tags of this step's all-gathers (read on the host once per step, at its end, so the
+        check adds no synchronisation inside the step; a divergence still ends the job before the optimizer step)."""
+        pending, self._deferred_tags = self._deferred_tags, []
+        if not pending:
+            return
+        tags = torch.stack([t for _, t in pending]).cpu()
+        for (index, _), row in zip(pending, tags):
+            self._check_tags(index, row)
+
+    def _named(self, collective: str, unit: Unit):
+        phase = "backward" if unit.backward else "forward"
+        return named_collective(
+            collective,
+            f"unit '{unit.name}' ({phase})",
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.collectives.world_size,
+        )
+
+    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int, tag: list[torch.Tensor]):
         """Parameter offload: host shards -> device staging -> all-gather, on a side stream.
 
         The host-to-device copies and the all-gather run on ``_param_stream`` so a prefetch does not hold up the
@@ -183,8 +255,9 @@ class ShardedUnits:
         stream = self._param_stream
         stream.wait_stream(torch.cuda.current_stream(fulls[0].device))
         with torch.cuda.stream(stream):
-            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params]
-            handle = self.collectives.all_gather(staging, fulls, bucket)
+            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params] + tag
+            with self._named("all-gather (launch)", unit):
+                handle = self.collectives.all_gather(staging, fulls, bucket)
         return handle, staging
 
     def wait_param_copies(self) -> None:
@@ -195,14 +268,16 @@ class ShardedUnits:
 
     def _wait(self, unit: Unit) -> None:
         handle, unit.pending = unit.pending, None
-        try:
+        with self._named("parameter all-gather", unit):
             handle.wait()
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"zeroshard: the all-gather of unit '{unit.name}' failed on rank {self.collectives.rank}: {e}. "
-                "If a rank died or took a different code path, run with ZeroStrategy(check_gather_order=True) to "
-                "name the first unit where ranks differ."
-            ) from e
+        if self.tagged:
+            index = self.units.index(unit)
+            if unit.tags.is_cuda:
+                self._deferred_tags.append((index, unit.tags.clone()))
+                if len(self._deferred_tags) >= 256:  # forwards without a step end (generation): bounded memory
+                    self.check_deferred_tags()
+            else:
+                self._check_tags(index, unit.tags)
         unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
         for fp in unit.flat_params:
             fp.is_gathered = True
@@ -343,8 +418,10 @@ class ShardedUnits:
         self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
 
     def end_of_step(self) -> None:
-        """After backward: frees every unit and stops recording the forward order."""
+        """After backward: frees every unit, checks the step's deferred gather tags (CUDA) and stops recording the
+        forward order."""
         self.reshard_all()
+        self.check_deferred_tags()
         for unit in self.units:
             unit.launched = 0
             unit.inputs_pending = 0
@@ -424,14 +501,15 @@ class ShardedUnits:
         phase = 1 if torch._C._current_graph_task_id() != -1 else 0
         mine = torch.tensor([index, phase], dtype=torch.int64, device=self._check_device)
         everyone = torch.empty(self.collectives.world_size * 2, dtype=torch.int64, device=self._check_device)
-        dist.all_gather_into_tensor(everyone, mine, group=self._group)
+        with self._named("gather-order check (check_gather_order=True)", self.units[index]):
+            dist.all_gather_into_tensor(everyone, mine, group=self._group)
         pairs = everyone.view(-1, 2).tolist()
         if any(p != pairs[0] for p in pairs):
             where = ", ".join(
                 f"rank {r} -> '{self.units[u].name}' ({'backward' if ph else 'forward'})"
                 for r, (u, ph) in enumerate(pairs)
             )
-            raise RuntimeError(
+            raise DivergedRanksError(
                 f"zeroshard: ranks diverged at all-gather #{self._gather_count}: {where}. Every rank must run the same "
                 "units in the same order (ZeRO-3 all-gathers are collective); make the control flow in forward "
                 "depend only on what is the same on every rank."
