@@ -32,11 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +44,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))  # gpt.py, data.py, lit_gpt.py
+
+from rank_launch import launch, machine, versions  # noqa: E402
 
 MIB = 2**20
 LOSS_RTOL = 1e-3
@@ -265,46 +265,8 @@ def held_state(module, optimizer) -> dict[str, int]:
 # -- the launcher -----------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RANK_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "steps", "warmup", "lr", "seed", "max_bytes",
              "accelerator", "threads")  # fmt: skip
-
-
-def launch(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[dict] | None, float, str]:
-    """Runs config ``name`` as ``args.devices`` ranks; returns (per-rank results or None, wall s, error text)."""
-    out_dir = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=tmp))  # a config may be listed twice
-    port = free_port()
-    cmd = [sys.executable, __file__, "--rank_of", name, "--rank_out", str(out_dir)]
-    cmd += [f"--{k}={getattr(args, k)}" for k in RANK_ARGS]
-    procs, logs = [], []
-    t0 = time.perf_counter()
-    for rank in range(args.devices):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices),
-                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
-        logs.append((out_dir / f"rank{rank}.log").open("w"))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-    failed = False
-    for p in procs:
-        try:
-            failed |= p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0))) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-            for q in procs:
-                q.kill()
-            p.wait()
-    wall = time.perf_counter() - t0
-    for f in logs:
-        f.close()
-    if failed:
-        tails = [f"--- rank {r} (exit {p.returncode}) ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:]
-                 for r, p in enumerate(procs)]  # fmt: skip
-        return None, wall, "\n".join(tails)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(args.devices)], wall, ""
 
 
 def summarize(name: str, ranks: list[dict], args: argparse.Namespace, num_params: int) -> dict:
@@ -381,28 +343,6 @@ def check_losses(rows: list[dict]) -> list[str]:
     return flags
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("model name"))  # fmt: skip
-    except (OSError, StopIteration):
-        pass
-    return {"hostname": socket.gethostname(), "cpu_model": model, "logical_cpus": os.cpu_count(),
-            "platform": platform.platform()}  # fmt: skip
-
-
-def versions() -> dict:
-    import lightning
-    import torch
-
-    v = {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__}
-    if torch.cuda.is_available():
-        v["cuda"] = torch.version.cuda
-        v["gpu"] = torch.cuda.get_device_name(0)
-    return v
-
-
 def count_params(args: argparse.Namespace) -> int:
     import torch
 
@@ -459,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for name in names:
-            ranks, wall, error = launch(name, args, Path(tmp))
+            ranks, wall, error = launch(__file__, name, args, RANK_ARGS, Path(tmp))
             if ranks is None:
                 print(f"  {name}: FAILED after {wall:.0f} s\n{error}", flush=True)
                 rows.append({"config": name, "error": error, "wall_s": wall})

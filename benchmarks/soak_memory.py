@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))  # gpt.py, data.py, lit_gpt.py
+
+from rank_launch import launch, machine, versions  # noqa: E402
 
 MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -154,46 +153,8 @@ def run_rank(args: argparse.Namespace) -> None:
 # -- the launcher -----------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 RANK_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "steps", "early", "lr", "seed", "max_bytes",
              "threads")  # fmt: skip
-
-
-def launch(name: str, args: argparse.Namespace, tmp: Path) -> tuple[list[dict] | None, float, str]:
-    """Runs config ``name`` as ``args.devices`` ranks; returns (per-rank results or None, wall s, error text)."""
-    out_dir = Path(tempfile.mkdtemp(prefix=f"{name}_", dir=tmp))
-    port = free_port()
-    cmd = [sys.executable, __file__, "--rank_of", name, "--rank_out", str(out_dir)]
-    cmd += [f"--{k}={getattr(args, k)}" for k in RANK_ARGS]
-    procs, logs = [], []
-    t0 = time.perf_counter()
-    for rank in range(args.devices):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices),
-                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
-        logs.append((out_dir / f"rank{rank}.log").open("w"))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-    failed = False
-    for p in procs:
-        try:
-            failed |= p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0))) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-            for q in procs:
-                q.kill()
-            p.wait()
-    wall = time.perf_counter() - t0
-    for f in logs:
-        f.close()
-    if failed:
-        tails = [f"--- rank {r} (exit {p.returncode}) ---\n" + (out_dir / f"rank{r}.log").read_text()[-3000:]
-                 for r, p in enumerate(procs)]  # fmt: skip
-        return None, wall, "\n".join(tails)
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(args.devices)], wall, ""
 
 
 def slope_per_1k(rss: list[int], start: int) -> float:
@@ -254,24 +215,6 @@ def print_table(rows: list[dict]) -> None:
             print("| " + " | ".join(f"{cell(r):{a}{w}}" for a, (_, w, cell) in zip(align, COLUMNS)) + " |")
 
 
-def machine() -> dict:
-    model = platform.processor()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        pass
-    return {"hostname": socket.gethostname(), "cpu_model": model, "logical_cpus": os.cpu_count(),
-            "platform": platform.platform()}  # fmt: skip
-
-
-def versions() -> dict:
-    import lightning
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "lightning": lightning.__version__}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -315,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="soak_memory_") as tmp:
         for name in names:
-            ranks, wall, error = launch(name, args, Path(tmp))
+            ranks, wall, error = launch(__file__, name, args, RANK_ARGS, Path(tmp))
             if ranks is None:
                 print(f"  {name}: FAILED after {wall:.0f} s\n{error}", flush=True)
                 rows.append({"config": name, "error": error, "wall_s": wall})
