@@ -118,6 +118,7 @@ def run_rank(args: argparse.Namespace) -> None:
         num_params = sum(p.numel() for p in e.module.parameters())
         Path(args.result).write_text(json.dumps({"ranks": gathered, "bytes": sizes, "num_params": num_params}))
     dist.barrier()
+    dist.destroy_process_group()  # torch asks for it; a gloo group alive at exit can abort it (pytorch/pytorch#190489)
 
 
 def main() -> int:

@@ -143,6 +143,9 @@ def run_rank(args: argparse.Namespace) -> None:
             row["padded_params"] = sum(fp.layout.padded_numel for fp in trainable)
             if engine.sharded is not None:
                 row["root_padded_params"] = sum(fp.layout.padded_numel for fp in engine.sharded.units[0].flat_params)
+                # each unit all-gather also carries the unit's 4-element tag (zeroshard.gather_check), in a bucket of
+                # its own: two calls counted per gather
+                row["unit_gathers"] = stats["groups"]["shard_gather"]["last_step"]["all_gather"]["calls"] // 2
             engine.remove_hooks()
         results.append(row)
         dist.barrier()
@@ -188,6 +191,8 @@ def launch(world: int, args: argparse.Namespace, tmp: Path) -> list[list[dict]]:
 
 
 def summarize(world: int, ranks: list[list[dict]]) -> list[dict]:
+    from zeroshard.gather_check import TAG_ELEMS
+
     rows = []
     for i, row in enumerate(ranks[0]):
         per_rank = [r[i] for r in ranks]
@@ -195,6 +200,7 @@ def summarize(world: int, ranks: list[list[dict]]) -> list[dict]:
         assert all(r["measured_bytes"] == measured for r in per_rank), f"ranks differ: {per_rank}"
         th = theory(row, world, row["params"])
         th_exact = theory(row, world, row["padded_params"], row.get("root_padded_params", 0))
+        th_exact += 4 * TAG_ELEMS * (row["k"] - 1) * row.get("unit_gathers", 0)  # fp32 tags, ring bytes per rank
         wire = row["wire_bytes"]
         sock = sum(r["socket_bytes"] for r in per_rank) / world
         rows.append(

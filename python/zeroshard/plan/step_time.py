@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from zeroshard.gather_check import TAG_ELEMS
 from zeroshard.plan.cluster import Cluster
 from zeroshard.plan.memory import FlatPlan, Layout, Training
 from zeroshard.plan.model_spec import ModelSpec
@@ -91,8 +92,9 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     tail = (rs + ar) / max(1, n_flat)  # the last bucket's reduction, after backward's compute
     if layout.stage == 3:
         units = [fp.root] + fp.units
-        ag_fwd_bytes = p * sum(units) * (k - 1) / k
-        ag_bwd_bytes = p * sum(fp.units) * (k - 1) / k
+        # each unit all-gather also carries the unit's tag, TAG_ELEMS elements per rank (zeroshard.gather_check)
+        ag_fwd_bytes = p * (sum(units) + TAG_ELEMS * k * len(units)) * (k - 1) / k
+        ag_bwd_bytes = p * (sum(fp.units) + TAG_ELEMS * k * len(fp.units)) * (k - 1) / k
         ag_fwd = _ring(ag_fwd_bytes, k, len(units), shard_link)
         ag_bwd = _ring(ag_bwd_bytes, k, len(fp.units), shard_link)
         if layout.offload_params:  # host shard -> device before each gather, on the same side stream

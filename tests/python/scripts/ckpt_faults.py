@@ -190,3 +190,5 @@ if __name__ == "__main__":
         killsave(target, sys.argv[3], len(sys.argv) > 4)
     else:
         {"load": load, "mismatch": mismatch, "fit_save": fit_save, "fit_resume": fit_resume}[mode](target)
+    if dist.is_initialized():  # torch asks for it; a gloo group alive at exit can abort it (pytorch/pytorch#190489)
+        dist.destroy_process_group()

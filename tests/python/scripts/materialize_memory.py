@@ -74,3 +74,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # torch asks for it; a gloo group alive at exit can abort it (pytorch/pytorch#190489)
+        dist.destroy_process_group()
