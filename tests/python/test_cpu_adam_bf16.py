@@ -131,3 +131,63 @@ def test_torch_adamw_bf16_state_loads_as_fp32_moments():
     before = [p.detach().clone() for p in model.parameters()]
     _fit(model, opt, data, 1)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class Fp32StepAdamW(torch.optim.Optimizer):
+    """Reference for bf16 parameters without a master: torch.optim.AdamW stepping fp32 copies of the bf16 values
+    with fp32 moments, the result rounded back once (``copy_`` rounds to nearest even)."""
+
+    def __init__(self, params, **kw):
+        params = list(params)
+        super().__init__(params, {})
+        self.shadow = [torch.nn.Parameter(p.detach().float()) for p in params]
+        self.inner = torch.optim.AdamW(self.shadow, **kw)
+
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for p, s in zip(self.param_groups[0]["params"], self.shadow):
+            s.data.copy_(p.detach())
+            s.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, s in zip(self.param_groups[0]["params"], self.shadow):
+            p.data.copy_(s.detach())
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_lightning_bf16_true_hf_model_trains_like_fp32_step_rounded_once(kind):
+    """A user's run: a Hugging Face model (built from a config) in Lightning's ``precision="bf16-true"`` with CPUAdam,
+    against the same run with the reference optimizer."""
+    import lightning as L
+    from hf_lm import HFLM
+    from tiny_lm import token_dataset
+
+    class Module(HFLM):
+        def __init__(self, opt_cls):
+            super().__init__(kind)
+            self.opt_cls = opt_cls
+
+        def configure_optimizers(self):
+            return self.opt_cls(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+    def fit(opt_cls):
+        torch.manual_seed(0)
+        module = Module(opt_cls)
+        start = {k: v.to(torch.bfloat16) for k, v in module.state_dict().items()}
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=8, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        loader = torch.utils.data.DataLoader(token_dataset(64), batch_size=8)
+        trainer.fit(module, loader)
+        return module, start
+
+    ours, start = fit(CPUAdam)
+    ref, ref_start = fit(Fp32StepAdamW)
+    assert ours.losses[-1] < ours.losses[0]
+    for (name, a), b in zip(ours.state_dict().items(), ref.state_dict().values()):
+        assert a.dtype == torch.bfloat16, name
+        assert torch.equal(start[name], ref_start[name]), name
+        moved = (b.float() - start[name].float()).abs().max()
+        if moved == 0:  # e.g. a rotary buffer
+            assert torch.equal(a, b), name
+            continue
+        assert (a.float() - b.float()).abs().max() <= 0.05 * moved, name
