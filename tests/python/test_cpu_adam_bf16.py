@@ -174,8 +174,8 @@ def test_lightning_bf16_true_hf_model_trains_like_fp32_step_rounded_once(kind):
         torch.manual_seed(0)
         module = Module(opt_cls)
         start = {k: v.to(torch.bfloat16) for k, v in module.state_dict().items()}
-        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=8, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=8, **quiet)
         loader = torch.utils.data.DataLoader(token_dataset(64), batch_size=8)
         trainer.fit(module, loader)
         return module, start
