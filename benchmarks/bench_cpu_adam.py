@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard import ops
+from zeroshard import _C, ops
 from zeroshard.cpu_adam import CPUAdam
 from zeroshard.isa import supported_cpu_isas
 
@@ -359,6 +359,8 @@ def main(argv=None) -> int:
         "deepspeed_version": ds_version,
         "python_version": platform.python_version(),
         "supported_cpu_isas": supported,
+        "cpu_vendor": _C.cpu_vendor(),
+        "adam_prefetch_bytes": _C.adam_prefetch_bytes(),
         "loadavg_before": load_before,
         "loadavg_after": load_after,
         "copy_gb_per_s": {"before": copy_gbs, "after": copy_after},

@@ -55,6 +55,10 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
                                    const std::optional<at::Tensor>& param_out = std::nullopt,
                                    bool compute_grad_stats = false, std::optional<std::string_view> isa = std::nullopt);
 
+// Bytes ahead of the current element the kernel prefetches on every stream (0: hardware prefetch only):
+// $ZEROSHARD_ADAM_PREFETCH_BYTES if set, else the default for this CPU's vendor. Read once.
+int64_t adam_prefetch_bytes();
+
 // The bandwidth reference of adam_step: the same memory traffic for fp32 tensors (read param, grad, exp_avg,
 // exp_avg_sq; write param, exp_avg, exp_avg_sq back unchanged), the same chunks, threads and loop, no arithmetic.
 // What adam_step would take if its arithmetic were free; benchmarks compare the two in one run. Same argument rules

@@ -21,6 +21,9 @@ void check_hyper(const AdamHyper& h);
 // Per-step factors, computed in double and rounded to float as torch rounds its Python-float scalars.
 adam_kernel::Factors make_factors(const AdamHyper& h);
 adam_kernel::KernelFn kernel_for(CpuIsa isa);
+// Software prefetch distance of the kernel, in elements: $ZEROSHARD_ADAM_PREFETCH_BYTES / 4 if set (0 turns it off),
+// else this CPU's default. Read once; throws c10::ValueError naming a bad value.
+int64_t prefetch_elems();
 // In-place writes through raw pointers bypass autograd's version counter: bump it like an in-place op would.
 void bump_version(const at::Tensor& t);
 

@@ -162,6 +162,7 @@ std::optional<GradStats> adam_step_groups(const std::vector<AdamGroupStep>& work
       a.exp_avg_sq = w.group->exp_avg_sq(i).data_ptr<float>();
       a.grad = g.data_ptr();
       a.grad_type = adam_detail::grad_type_of(g);
+      a.prefetch_elems = adam_detail::prefetch_elems();
       a.f = f;
       const int64_t n = g.numel();
       for (int64_t b = 0; b < n; b += kAdamChunk) {

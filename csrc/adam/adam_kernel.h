@@ -58,6 +58,8 @@ struct Args {
   GradType grad_type = GradType::kFloat32;
   void* param_out = nullptr;  // out_type elements, written; null when out_type is kNone
   OutType out_type = OutType::kNone;
+  // Software prefetch distance, in elements ahead of the current one, on every stream (0: hardware prefetch only).
+  int64_t prefetch_elems = 256;
   Factors f;
 };
 

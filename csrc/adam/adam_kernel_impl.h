@@ -8,8 +8,9 @@
 //  - every per-step constant is broadcast once per call into registers (Consts), and the pointers are copied into
 //    __restrict locals, so the loop body does not reload them after each store (a float* store could alias them);
 //  - the decay mode, the lerp formula and the gradient scale are template parameters: no test in the loop;
-//  - software prefetch runs kPrefetchBytes ahead on every stream. The hardware streamers stop at each 4 KiB page and
-//    ramp up again; on 2 cores at the memory limit that restart cost about 10% of the step (bench_cpu_adam.py).
+//  - software prefetch runs Args::prefetch_elems ahead on every stream. The hardware streamers stop at each 4 KiB
+//    page and ramp up again; on 2 Sapphire Rapids cores at the memory limit that restart cost about 10% of the step
+//    (bench_cpu_adam.py). The distance is set per CPU on the host (adam_detail::prefetch_elems).
 #pragma once
 
 #include <cstdint>
@@ -21,10 +22,6 @@ namespace zeroshard::adam_kernel::impl {
 
 // Marker for "no param_out".
 struct NoOut {};
-
-// How far ahead of the current element each stream is prefetched, in bytes of fp32 data (16-bit streams prefetch
-// the same number of elements ahead).
-constexpr int64_t kPrefetchBytes = 1024;
 
 enum class Decay { kNone, kL2, kDecoupled };
 
@@ -139,7 +136,7 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, i
 template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
 double run_typed(const Args& args, int64_t begin, int64_t end) {
   constexpr int64_t W = Ops::kWidth;
-  constexpr int64_t kAhead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
+  const int64_t ahead = args.prefetch_elems;
   const Consts<Ops> c(args.f);
   const Ptrs<P, G, O> a{static_cast<P*>(args.param), args.exp_avg, args.exp_avg_sq, static_cast<const G*>(args.grad),
                         static_cast<O*>(args.param_out)};
@@ -149,17 +146,12 @@ double run_typed(const Args& args, int64_t begin, int64_t end) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
   static_assert(kLine % W == 0 || W % kLine == 0, "vector width and cache line must nest");
   for (; i + W <= end; i += W) {
-    if constexpr (W >= kLine) {
-      // one vector covers at least one line of fp32
-      prefetch_w(a.p, i + kAhead);
-      prefetch_w(a.m, i + kAhead);
-      prefetch_w(a.v, i + kAhead);
-      prefetch(a.g, i + kAhead);
-    } else if ((i & (kLine - 1)) == 0) {
-      prefetch_w(a.p, i + kAhead);
-      prefetch_w(a.m, i + kAhead);
-      prefetch_w(a.v, i + kAhead);
-      prefetch(a.g, i + kAhead);
+    // one vector covers at least one line of fp32, or this vector starts one
+    if (ahead > 0 && (W >= kLine || (i & (kLine - 1)) == 0)) {
+      prefetch_w(a.p, i + ahead);
+      prefetch_w(a.m, i + ahead);
+      prefetch_w(a.v, i + ahead);
+      prefetch(a.g, i + ahead);
     }
     step_vec<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
   }
@@ -229,7 +221,7 @@ template <class Ops>
 void traffic(const Args& args, int64_t begin, int64_t end) {
   using V = typename Ops::V;
   constexpr int64_t W = Ops::kWidth;
-  constexpr int64_t kAhead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
+  const int64_t ahead = args.prefetch_elems;
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
   float* __restrict p = static_cast<float*>(args.param);
   float* __restrict m = args.exp_avg;
@@ -237,11 +229,11 @@ void traffic(const Args& args, int64_t begin, int64_t end) {
   const float* __restrict g = static_cast<const float*>(args.grad);
   int64_t i = begin;
   for (; i + W <= end; i += W) {
-    if (W >= kLine || (i & (kLine - 1)) == 0) {
-      prefetch_w(p, i + kAhead);
-      prefetch_w(m, i + kAhead);
-      prefetch_w(v, i + kAhead);
-      prefetch(g, i + kAhead);
+    if (ahead > 0 && (W >= kLine || (i & (kLine - 1)) == 0)) {
+      prefetch_w(p, i + ahead);
+      prefetch_w(m, i + ahead);
+      prefetch_w(v, i + ahead);
+      prefetch(g, i + ahead);
     }
     V vp = Ops::load(p + i), vg = Ops::load(g + i), vm = Ops::load(m + i), vv = Ops::load(v + i);
     Ops::opaque(vp, vg, vm, vv);

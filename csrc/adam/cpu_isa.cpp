@@ -43,8 +43,16 @@ std::vector<CpuIsa> detect() {
   if (zmm_state && avx512) isas.push_back(CpuIsa::kAvx512);
   return isas;
 }
+
+std::string detect_vendor() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return "";
+  const unsigned regs[3] = {b, d, c};  // the 12 bytes in this order
+  return std::string(reinterpret_cast<const char*>(regs), 12);
+}
 #else
 std::vector<CpuIsa> detect() { return {CpuIsa::kScalar}; }
+std::string detect_vendor() { return ""; }
 #endif
 
 std::string supported_list();
@@ -104,5 +112,10 @@ CpuIsa resolve_cpu_isa(std::optional<std::string_view> requested) {
 }
 
 std::string cpu_isa() { return cpu_isa_name(resolve_cpu_isa()); }
+
+const std::string& cpu_vendor() {
+  static const std::string vendor = detect_vendor();
+  return vendor;
+}
 
 }  // namespace zeroshard

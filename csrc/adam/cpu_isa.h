@@ -30,4 +30,7 @@ CpuIsa resolve_cpu_isa(std::optional<std::string_view> requested = std::nullopt)
 // Name of the ISA a call without an override would use now (honours ZEROSHARD_CPU_ISA).
 std::string cpu_isa();
 
+// The CPUID vendor string ("GenuineIntel", "AuthenticAMD", ...; empty off x86).
+const std::string& cpu_vendor();
+
 }  // namespace zeroshard

@@ -91,6 +91,9 @@ Returns None, or (grad_sq_sum, found_inf) when compute_grad_stats.)doc");
   m.def(
       "cpu_isa", []() { return zeroshard::cpu_isa(); },
       "Name of the ISA the fused CPU Adam uses now: 'scalar', 'avx2' or 'avx512' (honours ZEROSHARD_CPU_ISA).");
+  m.def("cpu_vendor", []() { return zeroshard::cpu_vendor(); }, "CPUID vendor string, e.g. 'GenuineIntel'.");
+  m.def("adam_prefetch_bytes", &zeroshard::adam_prefetch_bytes,
+        "Bytes ahead the fused CPU Adam prefetches on each stream (ZEROSHARD_ADAM_PREFETCH_BYTES, else per vendor).");
   m.def(
       "supported_cpu_isas",
       []() {

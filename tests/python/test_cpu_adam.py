@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -299,6 +300,41 @@ def test_cpu_isa_api():
     assert ISAS[0] == "scalar"
     assert set(ISAS) <= {"scalar", "avx2", "avx512"}
     assert cpu_isa() == ISAS[-1] or cpu_isa() in ISAS
+
+
+_PREFETCH_RUN = """
+import sys, torch
+from zeroshard import _C, ops
+gen = torch.Generator().manual_seed(5)
+p, g = torch.randn(70_001, generator=gen), torch.randn(70_001, generator=gen)
+m, v = torch.zeros_like(p), torch.zeros_like(p)
+for isa in ops_isas:
+    ops.adam_step(p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True,
+                  bias_correction=True, isa=isa)
+torch.save({"p": p, "m": m, "v": v, "ahead": _C.adam_prefetch_bytes()}, sys.argv[1])
+"""
+
+
+def test_prefetch_distance_changes_no_bit_and_is_checked(tmp_path):
+    """ZEROSHARD_ADAM_PREFETCH_BYTES only moves the software prefetch: every distance gives the same bits."""
+    import subprocess
+    import sys
+
+    results = []
+    for value in ("", "0", "4096"):
+        out = tmp_path / f"r{value or 'default'}.pt"
+        env = dict(os.environ, ZEROSHARD_ADAM_PREFETCH_BYTES=value)
+        code = f"ops_isas = {ISAS!r}\n" + _PREFETCH_RUN
+        subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=120)
+        results.append(torch.load(out))
+    assert [r["ahead"] for r in results[1:]] == [0, 4096]
+    for r in results[1:]:
+        for k in ("p", "m", "v"):
+            assert torch.equal(r[k], results[0][k]), k
+    env = dict(os.environ, ZEROSHARD_ADAM_PREFETCH_BYTES="-1")
+    bad = subprocess.run([sys.executable, "-c", "from zeroshard import _C; _C.adam_prefetch_bytes()"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "ZEROSHARD_ADAM_PREFETCH_BYTES=-1 is invalid" in bad.stderr
 
 
 @pytest.mark.parametrize("isa", ISAS)
