@@ -8,6 +8,7 @@ Rows, per size (fp32 master weights and moments; one shared parameter and gradie
   the mixed path: bf16 grad in, fp32 master, bf16 param copy out in one pass (ops.adam_step with param_out), against
   torch fused and DeepSpeed doing their fp32 step plus the two separate casts (bf16 -> fp32 grad, fp32 -> bf16 param),
   and DeepSpeedCPUAdam on bf16 parameters (its bf16 path: fp32 moments, no fp32 master);
+  bf16 parameters with no master on both sides: zeroshard.CPUAdam on each ISA build against DeepSpeedCPUAdam;
   and a model of ``--model-tensors`` tensors of ``--model-numel`` elements each (the per-tensor cost of a step).
 
 Timing: interleaved rounds. In each round every row is timed once (``reps`` steps, enough for ~10 ms), in an order
@@ -50,7 +51,7 @@ from zeroshard.optim.cpu_adam import CPUAdam
 FP32_BYTES = 16 + 12  # read p, g, m, v; write p, m, v
 MIXED_BYTES = 2 + 12 + 12 + 2 * 2  # read bf16 g, p, m, v; write p, m, v; write (+RFO) the bf16 param copy
 CASTS_BYTES = (2 + 4 * 2) + FP32_BYTES + (4 + 2 * 2)  # bf16->fp32 grad pass + fp32 step + fp32->bf16 pass
-DS_BF16_BYTES = 2 + 2 + 8 + 2 + 8  # read bf16 p, g, fp32 m, v; write bf16 p, fp32 m, v
+BF16_PARAM_BYTES = 2 + 2 + 8 + 2 + 8  # read bf16 p, g, fp32 m, v; write bf16 p, fp32 m, v
 LR, WD = 1e-3, 0.01
 HYPER = dict(lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=WD, adamw_mode=True, bias_correction=True)
 
@@ -180,10 +181,19 @@ def fp32_rows(n, isas, ds_cls, reps):
     rows.append(Row("torch fused fp32 step + casts", "torch", with_casts(torch_opt), n, CASTS_BYTES, "mixed", reps))
     if ds_cls is not None:
         rows.append(Row("DeepSpeed fp32 step + casts", "ds", with_casts(ds), n, CASTS_BYTES, "mixed", reps))
+
+    # bf16 parameters with no fp32 master, fp32 moments: the same algorithm on both sides
+    def bf16_param():
         pb = torch.nn.Parameter(torch.randn(n, generator=gen).to(torch.bfloat16))
         pb.grad = g16
-        ds16 = ds_cls([pb], lr=LR, weight_decay=WD, adamw_mode=True)
-        rows.append(Row("DeepSpeedCPUAdam bf16 params", "ds", ds16.step, n, DS_BF16_BYTES, "mixed-ds-bf16", reps))
+        return pb
+
+    for isa in isas:
+        ours16 = CPUAdam([bf16_param()], lr=LR, weight_decay=WD)
+        rows.append(Row("zeroshard.CPUAdam bf16 params", isa, ours16.step, n, BF16_PARAM_BYTES, "bf16-params", reps))
+    if ds_cls is not None:
+        ds16 = ds_cls([bf16_param()], lr=LR, weight_decay=WD, adamw_mode=True)
+        rows.append(Row("DeepSpeedCPUAdam bf16 params", "ds", ds16.step, n, BF16_PARAM_BYTES, "bf16-params", reps))
     return rows
 
 
@@ -260,7 +270,7 @@ def summarize(rows: list[Row], copy_gbs: float, ntensors: int | None = None) -> 
             for o in others:
                 d["x_torch" if o.isa == "torch" else "x_deepspeed"] = _paired(o, r)
             for o in rows:
-                if o.path == "mixed-ds-bf16" and r.path == "mixed":
+                if o.path == "bf16-params" and o.isa == "ds" and r.path == "mixed":
                     d["x_deepspeed_bf16"] = _paired(o, r)
         if r.path == "model" and ntensors:
             d["us_per_tensor"] = med / ntensors * 1e6

@@ -10,6 +10,10 @@ config's own and a crash loses only that config. Configs, in order:
   parameters on the GPU, fp32 master weights and AdamW state on the host, stepped by zeroshard's fused CPU Adam.
 * ``zeroshard_opt_param_offload``: the same with ``offload_params=True``: the bf16 parameter shards live on the host
   too and are uploaded per unit.
+* ``zeroshard_no_offload``: the same engine without offload (everything on the GPU): what offload costs.
+* ``deepspeed_opt_offload`` / ``deepspeed_opt_param_offload``: DeepSpeed's ZeRO-3 with ``offload_optimizer`` (and
+  ``offload_param``) to pinned CPU memory, bf16, DeepSpeedCPUAdam (``benchmarks/deepspeed_zero3.py``). Skipped when
+  ``deepspeed`` is not importable (it lives in the benchmark's own venv, see ``benchmarks/README.md``).
 * ``fsdp2_cpu_offload``: ``torch.distributed.fsdp.fully_shard`` on every Block and then the GPT, with
   ``CPUOffloadPolicy()`` and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``torch.optim.AdamW``
   (default implementation: foreach) steps the fp32 parameters on the host.
@@ -63,13 +67,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))  # gpt.py
 
+import deepspeed_zero3  # noqa: E402  (beside this file; imports deepspeed only when its rows run)
+
 GIB = 2**30
 MIB = 2**20
 
 CONFIGS = {
     "pinned_copy": "1 GiB pinned host tensor <-> GPU, dst.copy_(src, non_blocking=True), CUDA events, median of 5",
+    "zeroshard_no_offload": "ZeroEngine stage 3, no offload (bf16 params, fp32 master and AdamW on the GPU)",
     "zeroshard_opt_offload": "ZeroEngine stage 3 + offload_optimizer (bf16 params on GPU; fp32 master + Adam on host)",
     "zeroshard_opt_param_offload": "ZeroEngine stage 3 + offload_optimizer + offload_params (bf16 params on host)",
+    "deepspeed_opt_offload": "DeepSpeed ZeRO-3 + offload_optimizer to pinned CPU memory, bf16, DeepSpeedCPUAdam",
+    "deepspeed_opt_param_offload": "DeepSpeed ZeRO-3 + offload_optimizer + offload_param to pinned CPU memory, bf16",
     "fsdp2_cpu_offload": "fully_shard per Block + root, CPUOffloadPolicy, bf16 params, fp32 reduce, AdamW foreach",
     "fsdp2_cpu_offload_fused": "as fsdp2_cpu_offload with torch.optim.AdamW(fused=True) on the host parameters",
 }
@@ -272,8 +281,9 @@ def run_pinned_copy(args: argparse.Namespace, device) -> dict:
     return out
 
 
-def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta: bool = False):
-    """(params, engine, forward_backward, optimizer_step) for ZeRO stage 3 + optimizer (and parameter) offload.
+def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta: bool = False, offload: bool = True):
+    """(params, engine, forward_backward, optimizer_step) for ZeRO stage 3 + optimizer (and parameter) offload, or
+    none (``offload=False``).
 
     ``meta``: build the GPT under ``zeroshard.init_meta_context()`` and let the engine materialise it unit by unit on
     ``device`` (``max_model_size.py``: a model larger than the GPU); otherwise build it whole on ``device``.
@@ -284,7 +294,7 @@ def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta
     from zeroshard import ZeroConfig, ZeroEngine, init_meta_context
 
     extra = {"offload_chunk_size": args.offload_chunk_size} if args.offload_chunk_size else {}
-    config = ZeroConfig(stage=3, offload_optimizer=True, offload_params=offload_params, wrap_policy=Block,
+    config = ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload_params, wrap_policy=Block,
                         reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None, **extra)  # fmt: skip
     if meta:
         torch.manual_seed(args.seed)
@@ -371,7 +381,14 @@ def run_training(name: str, args: argparse.Namespace, device) -> dict:
     cuda = device.type == "cuda"
     t = time.perf_counter()
     if name.startswith("zeroshard"):
-        num_params, engine, forward_backward, optimizer_step = setup_zeroshard(args, device, "param" in name)
+        num_params, engine, forward_backward, optimizer_step = setup_zeroshard(
+            args, device, "param" in name, offload=name != "zeroshard_no_offload"
+        )
+    elif name.startswith("deepspeed"):
+        num_params, _, forward_backward, optimizer_step = deepspeed_zero3.setup(
+            args, device, offload_params="param" in name, build_model=lambda: build_gpt(args, device), loss_of=loss_of
+        )
+        engine = None
     else:
         num_params, _, forward_backward, optimizer_step = setup_fsdp2(args, device, name.endswith("fused"))
         engine = None
@@ -518,6 +535,22 @@ def print_table(rows: list[dict]) -> None:
             print("| " + " | ".join(f"{cell(r, ref):{a}{w}}" for a, (_, w, cell) in zip(align, COLUMNS)) + " |")
 
 
+# The issue's comparisons: tokens/s of the row over tokens/s of the reference row, same run (> 1: the row is faster).
+RATIOS = [
+    ("zeroshard_opt_offload", "deepspeed_opt_offload"),
+    ("zeroshard_opt_param_offload", "deepspeed_opt_param_offload"),
+    ("zeroshard_opt_offload", "fsdp2_cpu_offload_fused"),
+    ("zeroshard_opt_offload", "fsdp2_cpu_offload"),
+    ("zeroshard_opt_offload", "zeroshard_no_offload"),
+]
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    """``"a / b"``: tokens/s of config a over config b, for each pair of :data:`RATIOS` where both rows ran."""
+    tps = {r["config"]: r["tokens_per_s"] for r in rows if "tokens_per_s" in r}
+    return {f"{a} / {b} tokens/s": tps[a] / tps[b] for a, b in RATIOS if a in tps and b in tps}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -587,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
             left = args.budget - (time.perf_counter() - t_start)
             if args.smoke and name in CUDA_ONLY:
                 rows.append({"config": name, "skipped": "CUDA only (--smoke runs on the CPU)"})
+            elif name.startswith("deepspeed") and deepspeed_zero3.unavailable():
+                rows.append({"config": name, "skipped": deepspeed_zero3.unavailable()})
             elif left < 30:
                 rows.append({"config": name, "skipped": f"out of --budget ({args.budget:.0f} s)"})
             else:
@@ -606,6 +641,10 @@ def main(argv: list[str] | None = None) -> int:
             result["machine"]["load_average_end"] = os.getloadavg()
             path.write_text(json.dumps(result, indent=2) + "\n")  # after every config: a timeout still leaves data
     print_table(rows)
+    result["ratios"] = ratios(rows)
+    for k, v in result["ratios"].items():
+        print(f"{k}: {v:.2f}")
+    path.write_text(json.dumps(result, indent=2) + "\n")
     losses = [(r["config"], r["final_loss"]) for r in rows if "final_loss" in r]
     if losses:
         print("final losses: " + ", ".join(f"{n} {v:.6f}" for n, v in losses))

@@ -17,6 +17,10 @@ re-invokes itself with ``--worker N_LAYER``) that:
 * reports the parameter count, GPU peak memory (``torch.cuda.max_memory_allocated``), host peak RSS (``ru_maxrss``),
   pinned and unpinned host bytes (``zeroshard._C.host_memory_stats()``), setup seconds, every step's seconds and loss.
 
+``--system deepspeed`` sizes DeepSpeed's ZeRO-3 with ``offload_optimizer`` and ``offload_param`` the same way
+(``benchmarks/deepspeed_zero3.py``: the GPT built inside ``deepspeed.zero.Init`` with the parameters on the host), so
+the two largest models and their step times come from the same machine; its JSON is ``max_model_size_deepspeed_*``.
+
 An attempt that fails (CUDA OOM, the engine's host-budget error, a crash, or its ``--timeout``) is reported with the
 last line of its output and the search goes on downward. ``--n_layers 2,4`` runs a fixed list instead (every entry,
 no search). ``--smoke`` runs n_embd 64, n_head 4, n_layer 1 and 2 on the CPU (gloo). The JSON, every attempt
@@ -41,6 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offload.py: the shared worker and launcher code
 
 import bench_offload as bo  # noqa: E402
+import deepspeed_zero3  # noqa: E402
 
 GIB = 2**30
 MIB = 2**20
@@ -84,7 +89,13 @@ def worker(args: argparse.Namespace) -> None:
     device = bo.init_single_process(cuda)
     args.n_layer, args.warmup = int(args.worker), 0
     t = time.perf_counter()
-    num_params, engine, forward_backward, optimizer_step = bo.setup_zeroshard(args, device, True, meta=True)
+    if args.system == "deepspeed":
+        num_params, engine, forward_backward, optimizer_step = deepspeed_zero3.setup(
+            args, device, offload_params=True, build_model=lambda: bo.build_gpt(args, device), loss_of=bo.loss_of,
+            meta=True,
+        )  # fmt: skip
+    else:
+        num_params, engine, forward_backward, optimizer_step = bo.setup_zeroshard(args, device, True, meta=True)
     setup_s = time.perf_counter() - t
     print(f"  n_layer {args.n_layer}: {num_params:,} params, setup {setup_s:.1f} s; host "
           f"{bo.host_peak_mib() / 1024:.1f} GiB peak so far", flush=True)  # fmt: skip
@@ -94,8 +105,9 @@ def worker(args: argparse.Namespace) -> None:
     out |= bo.train(args, device, forward_backward, optimizer_step, lambda: None)
     out["gpu_peak_mib"] = torch.cuda.max_memory_allocated(device) / MIB if cuda else None
     out["host_peak_mib"] = bo.host_peak_mib()
-    out["host_memory_stats"] = bo.pinned_stats()
-    out["memory_summary"] = engine.memory_summary()
+    if args.system == "zeroshard":
+        out["host_memory_stats"] = bo.pinned_stats()
+        out["memory_summary"] = engine.memory_summary()
     Path(args.worker_out).write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
 
@@ -103,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
 # -- launcher ---------------------------------------------------------------------------------------------------------
 
 WORKER_ARGS = ("n_head", "n_embd", "block_size", "vocab_size", "batch_size", "steps", "lr", "seed", "reduce_dtype",
-               "offload_chunk_size")  # fmt: skip
+               "offload_chunk_size", "system")  # fmt: skip
 
 
 def attempt(n_layer: int, args: argparse.Namespace, tmp: Path, timeout: float) -> dict:
@@ -147,6 +159,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    p.add_argument("--system", choices=["zeroshard", "deepspeed"], default="zeroshard",
+                   help="whose ZeRO-3 + optimizer and parameter offload to size (deepspeed: "
+                   "benchmarks/deepspeed_zero3.py, built inside deepspeed.zero.Init)")  # fmt: skip
     p.add_argument("--n_layers", default="", help="comma list of n_layer to run (all of them, no search)")
     p.add_argument("--try_above", action="store_true", help="start one layer above the host-memory estimate")
     p.add_argument("--max_layers", type=int, default=200, help="upper bound of the search")
@@ -201,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     default_out = tempfile.mkdtemp(prefix="max_model_size_smoke_") if args.smoke else bo.REPO / "benchmarks" / "results"
     out_dir = Path(args.out or default_out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"max_model_size{'_smoke' if args.smoke else ''}_{socket.gethostname()}.json"
+    if args.system == "deepspeed" and deepspeed_zero3.unavailable():
+        raise SystemExit(f"error: --system deepspeed: {deepspeed_zero3.unavailable()}")
+    system = "" if args.system == "zeroshard" else f"_{args.system}"
+    path = out_dir / f"max_model_size{system}{'_smoke' if args.smoke else ''}_{socket.gethostname()}.json"
     result = {
         "benchmark": "max_model_size",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -166,9 +166,13 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   check_tensor(grad, "grad");
   check_tensor(exp_avg, "exp_avg");
   check_tensor(exp_avg_sq, "exp_avg_sq");
-  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat, "adam_step: param has dtype ", param.scalar_type(),
-                   "; the master weights must be float32 (keep an fp32 master copy, write the compute dtype through ",
-                   "param_out)");
+  TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16,
+                   "adam_step: param has dtype ", param.scalar_type(),
+                   "; supported: float32 master weights (write a compute-dtype copy through ",
+                   "param_out), or bfloat16 weights updated in place (no master)");
+  const bool bf16_param = param.scalar_type() == at::kBFloat16;
+  TORCH_CHECK_VALUE(!(bf16_param && param_out.has_value()), "adam_step: param is bfloat16 and param_out is given; ",
+                    "a bfloat16 param is its own compute-dtype copy: drop param_out, or step a float32 master");
   TORCH_CHECK_TYPE(exp_avg.scalar_type() == at::kFloat, "adam_step: exp_avg has dtype ", exp_avg.scalar_type(),
                    "; optimizer state must be float32");
   TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == at::kFloat, "adam_step: exp_avg_sq has dtype ", exp_avg_sq.scalar_type(),
@@ -200,7 +204,8 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
 
   // --- Run: fixed chunks, so the partial sums and their order do not depend on the thread count.
   Args args;
-  args.param = param.data_ptr<float>();
+  args.param = param.data_ptr();
+  args.param_type = bf16_param ? adam_kernel::ParamType::kBFloat16 : adam_kernel::ParamType::kFloat32;
   args.exp_avg = exp_avg.data_ptr<float>();
   args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
   args.grad = grad.data_ptr();

@@ -40,7 +40,9 @@ struct GradStats {
 constexpr int64_t kAdamChunk = 64 * 1024;
 
 // One Adam/AdamW step, in place on param, exp_avg and exp_avg_sq; writes param_out if given.
-//   param, exp_avg, exp_avg_sq: fp32, CPU, dense, contiguous, same numel, not overlapping one another.
+//   param, exp_avg, exp_avg_sq: fp32, CPU, dense, contiguous, same numel, not overlapping one another. param may
+//     also be bf16 with no param_out (bf16 weights, no master: upcast on load, rounded to nearest even once per
+//     step, fp32 moments; DeepSpeedCPUAdam's bf16 mode with fp32_optimizer_states).
 //   grad: fp32, bf16 or fp16, CPU, dense, contiguous, same numel (any shape).
 //   param_out: optional bf16, fp16 or fp32, same constraints; receives the updated param (bf16: round to nearest
 //     even, NaN kept NaN; fp16: round to nearest even, overflow to inf).

@@ -75,8 +75,9 @@ AdamGroup::AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp
     TORCH_CHECK_VALUE(p.defined(), label_, " param ", i, " of group ", group_index_, " is an undefined tensor");
     const std::string what = name(i);
     check_dense_cpu(p, what, "move the model to the CPU, or use a GPU optimizer");
-    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat, what, " has dtype ", dtype_name(p.scalar_type()), "; ", label_,
-                      " needs torch.float32 (master) parameters: call .float()");
+    TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16, what, " has dtype ",
+                      dtype_name(p.scalar_type()), "; ", label_,
+                      " steps torch.float32 (master) or torch.bfloat16 parameters: call .float()");
     const char* keys[] = {"exp_avg", "exp_avg_sq"};
     const at::Tensor* states[] = {&exp_avgs_[i], &exp_avg_sqs_[i]};
     for (int k = 0; k < 2; ++k) {
@@ -153,7 +154,10 @@ std::optional<GradStats> adam_step_groups(const std::vector<AdamGroupStep>& work
         f = adam_detail::make_factors(h);
       }
       Args a;
-      a.param = w.group->param(i).data_ptr<float>();
+      const at::Tensor& p = w.group->param(i);
+      a.param = p.data_ptr();
+      a.param_type =
+          p.scalar_type() == at::kBFloat16 ? adam_kernel::ParamType::kBFloat16 : adam_kernel::ParamType::kFloat32;
       a.exp_avg = w.group->exp_avg(i).data_ptr<float>();
       a.exp_avg_sq = w.group->exp_avg_sq(i).data_ptr<float>();
       a.grad = g.data_ptr();

@@ -21,9 +21,10 @@ namespace zeroshard {
 
 class AdamGroup {
  public:
-  // params, exp_avgs, exp_avg_sqs: one entry per tensor of the group, each fp32, CPU, dense, contiguous; the three of
-  // one tensor have the same numel and share no memory. label names the owner in errors ("CPUAdam"), group_index the
-  // param group. Throws c10::ValueError naming "<label> param <i> of group <g> (shape [...])" and the fix.
+  // params, exp_avgs, exp_avg_sqs: one entry per tensor of the group, fp32 (params: or bf16, no master), CPU, dense,
+  // contiguous; the three of one tensor have the same numel and share no memory. label names the owner in errors
+  // ("CPUAdam"), group_index the param group. Throws c10::ValueError naming "<label> param <i> of group <g> (shape
+  // [...])" and the fix.
   AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
             std::string label, int64_t group_index);
 

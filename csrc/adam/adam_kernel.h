@@ -15,6 +15,7 @@ struct FP16 {
   uint16_t bits;
 };
 
+enum class ParamType : uint8_t { kFloat32, kBFloat16 };
 enum class GradType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 enum class OutType : uint8_t { kNone, kFloat32, kBFloat16, kFloat16 };
 
@@ -30,6 +31,7 @@ enum class OutType : uint8_t { kNone, kFloat32, kBFloat16, kFloat16 };
 //   p = p + (neg_step_size * m) / fma(sqrt(v), inv_bc2_sqrt, eps)   (torch's addcdiv_; torch divides sqrt(v) by
 //                                                                   bc2_sqrt: one division less here, 1 ulp apart)
 //   param_out = convert(p)
+// With bf16 parameters (no fp32 master) p is upcast on load and rounded to nearest even once, on the store.
 struct Factors {
   bool l2_decay = false;         // Adam mode with weight_decay != 0
   bool decoupled_decay = false;  // AdamW mode with weight_decay != 0
@@ -48,7 +50,8 @@ struct Factors {
 };
 
 struct Args {
-  float* param = nullptr;       // fp32 master weights, updated in place
+  void* param = nullptr;  // param_type elements, updated in place: fp32 master weights, or bf16 weights (no master)
+  ParamType param_type = ParamType::kFloat32;
   float* exp_avg = nullptr;     // fp32, updated in place
   float* exp_avg_sq = nullptr;  // fp32, updated in place
   const void* grad = nullptr;   // grad_type elements, read only

@@ -73,17 +73,17 @@ inline void update(const Consts<Ops>& c, typename Ops::V& p, typename Ops::V& m,
 }
 
 // Raw pointers of one call, as __restrict locals.
-template <class G, class O>
+template <class P, class G, class O>
 struct Ptrs {
-  float* __restrict p;
+  P* __restrict p;
   float* __restrict m;
   float* __restrict v;
   const G* __restrict g;
   O* __restrict out;
 };
 
-template <class Ops, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void step_vec(const Consts<Ops>& c, const Ptrs<G, O>& a, int64_t i, typename Ops::Acc& acc) {
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, typename Ops::Acc& acc) {
   using V = typename Ops::V;
   V g = Ops::load(a.g + i);
   if constexpr (kStats) acc = Ops::acc_add_sq(acc, g);
@@ -98,8 +98,8 @@ inline void step_vec(const Consts<Ops>& c, const Ptrs<G, O>& a, int64_t i, typen
 }
 
 // The last r (< width) elements starting at i.
-template <class Ops, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void step_tail(const Consts<Ops>& c, const Ptrs<G, O>& a, int64_t i, int64_t r, typename Ops::Acc& acc) {
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, int64_t r, typename Ops::Acc& acc) {
   using V = typename Ops::V;
   if constexpr (Ops::kMasked) {
     // Masked loads read zeros beyond r (g = 0 adds nothing to the statistics); masked stores write only r lanes.
@@ -119,29 +119,30 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<G, O>& a, int64_t i, int6
     // body's math (and its dtype conversions) exactly. Padding lanes may compute NaN (eps = 0); they are discarded.
     constexpr int64_t W = Ops::kWidth;
     using OB = std::conditional_t<std::is_same_v<O, NoOut>, float, O>;
-    alignas(64) float pb[W] = {}, mb[W] = {}, vb[W] = {};
+    alignas(64) P pb[W] = {};
+    alignas(64) float mb[W] = {}, vb[W] = {};
     alignas(64) G gb[W] = {};
     alignas(64) OB ob[W] = {};
-    __builtin_memcpy(pb, a.p + i, r * sizeof(float));
+    __builtin_memcpy(pb, a.p + i, r * sizeof(P));
     __builtin_memcpy(mb, a.m + i, r * sizeof(float));
     __builtin_memcpy(vb, a.v + i, r * sizeof(float));
     __builtin_memcpy(gb, a.g + i, r * sizeof(G));
-    const Ptrs<G, O> b{pb, mb, vb, gb, reinterpret_cast<O*>(ob)};
-    step_vec<Ops, G, O, kStats, kDecay, kLerpSmall, kScale>(c, b, 0, acc);
+    const Ptrs<P, G, O> b{pb, mb, vb, gb, reinterpret_cast<O*>(ob)};
+    step_vec<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, b, 0, acc);
     if constexpr (!std::is_same_v<O, NoOut>) __builtin_memcpy(a.out + i, ob, r * sizeof(O));
-    __builtin_memcpy(a.p + i, pb, r * sizeof(float));
+    __builtin_memcpy(a.p + i, pb, r * sizeof(P));
     __builtin_memcpy(a.m + i, mb, r * sizeof(float));
     __builtin_memcpy(a.v + i, vb, r * sizeof(float));
   }
 }
 
-template <class Ops, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
 double run_typed(const Args& args, int64_t begin, int64_t end) {
   constexpr int64_t W = Ops::kWidth;
   constexpr int64_t kAhead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
   const Consts<Ops> c(args.f);
-  const Ptrs<G, O> a{args.param, args.exp_avg, args.exp_avg_sq, static_cast<const G*>(args.grad),
-                     static_cast<O*>(args.param_out)};
+  const Ptrs<P, G, O> a{static_cast<P*>(args.param), args.exp_avg, args.exp_avg_sq, static_cast<const G*>(args.grad),
+                        static_cast<O*>(args.param_out)};
   auto acc = Ops::acc_zero();
   int64_t i = begin;
   // Prefetch one cache line of each stream per 64 bytes of fp32 progress; lines past `end` are harmless hints.
@@ -160,23 +161,23 @@ double run_typed(const Args& args, int64_t begin, int64_t end) {
       prefetch_w(a.v, i + kAhead);
       prefetch(a.g, i + kAhead);
     }
-    step_vec<Ops, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
+    step_vec<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
   }
-  if (i < end) step_tail<Ops, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, end - i, acc);
+  if (i < end) step_tail<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, end - i, acc);
   return kStats ? Ops::acc_sum(acc) : 0.0;
 }
 
-template <class Ops, class G, class O, bool kStats>
+template <class Ops, class P, class G, class O, bool kStats>
 double run_mode(const Args& a, int64_t begin, int64_t end) {
   const Factors& f = a.f;
   const bool scale = f.scale_grad;
-#define ZS_ADAM_RUN(D)                                                          \
-  if (f.lerp_small) {                                                           \
-    return scale ? run_typed<Ops, G, O, kStats, D, true, true>(a, begin, end)   \
-                 : run_typed<Ops, G, O, kStats, D, true, false>(a, begin, end); \
-  }                                                                             \
-  return scale ? run_typed<Ops, G, O, kStats, D, false, true>(a, begin, end)    \
-               : run_typed<Ops, G, O, kStats, D, false, false>(a, begin, end);
+#define ZS_ADAM_RUN(D)                                                             \
+  if (f.lerp_small) {                                                              \
+    return scale ? run_typed<Ops, P, G, O, kStats, D, true, true>(a, begin, end)   \
+                 : run_typed<Ops, P, G, O, kStats, D, true, false>(a, begin, end); \
+  }                                                                                \
+  return scale ? run_typed<Ops, P, G, O, kStats, D, false, true>(a, begin, end)    \
+               : run_typed<Ops, P, G, O, kStats, D, false, false>(a, begin, end);
   if (f.l2_decay) {
     ZS_ADAM_RUN(Decay::kL2)
   }
@@ -187,24 +188,26 @@ double run_mode(const Args& a, int64_t begin, int64_t end) {
 #undef ZS_ADAM_RUN
 }
 
-template <class Ops, class G, class O>
+template <class Ops, class P, class G, class O>
 double run_out(const Args& a, int64_t begin, int64_t end, bool want_grad_sq) {
-  return want_grad_sq ? run_mode<Ops, G, O, true>(a, begin, end) : run_mode<Ops, G, O, false>(a, begin, end);
+  return want_grad_sq ? run_mode<Ops, P, G, O, true>(a, begin, end) : run_mode<Ops, P, G, O, false>(a, begin, end);
 }
 
 template <class Ops, class G>
 double run_grad(const Args& a, int64_t begin, int64_t end, bool want_grad_sq) {
+  // bf16 parameters are their own compute-dtype copy: no param_out (the host checks refuse one).
+  if (a.param_type == ParamType::kBFloat16) return run_out<Ops, BF16, G, NoOut>(a, begin, end, want_grad_sq);
   switch (a.out_type) {
     case OutType::kFloat32:
-      return run_out<Ops, G, float>(a, begin, end, want_grad_sq);
+      return run_out<Ops, float, G, float>(a, begin, end, want_grad_sq);
     case OutType::kBFloat16:
-      return run_out<Ops, G, BF16>(a, begin, end, want_grad_sq);
+      return run_out<Ops, float, G, BF16>(a, begin, end, want_grad_sq);
     case OutType::kFloat16:
-      return run_out<Ops, G, FP16>(a, begin, end, want_grad_sq);
+      return run_out<Ops, float, G, FP16>(a, begin, end, want_grad_sq);
     case OutType::kNone:
       break;
   }
-  return run_out<Ops, G, NoOut>(a, begin, end, want_grad_sq);
+  return run_out<Ops, float, G, NoOut>(a, begin, end, want_grad_sq);
 }
 
 template <class Ops>
@@ -228,7 +231,7 @@ void traffic(const Args& args, int64_t begin, int64_t end) {
   constexpr int64_t W = Ops::kWidth;
   constexpr int64_t kAhead = kPrefetchBytes / static_cast<int64_t>(sizeof(float));
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
-  float* __restrict p = args.param;
+  float* __restrict p = static_cast<float*>(args.param);
   float* __restrict m = args.exp_avg;
   float* __restrict v = args.exp_avg_sq;
   const float* __restrict g = static_cast<const float*>(args.grad);

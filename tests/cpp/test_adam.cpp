@@ -139,6 +139,33 @@ TEST_P(AdamIsa, BitwiseEqualToScalarBuildForEveryDtype) {
   }
 }
 
+// bf16 parameters with no master: the same arithmetic as the fp32 path from the upcast value, rounded once (to
+// nearest even, as c10::BFloat16 rounds), on every tail size; moments bitwise equal to the fp32 path's.
+TEST_P(AdamIsa, Bf16ParamsEqualFp32PathRoundedOnce) {
+  const std::string isa = GetParam();
+  SKIP_IF_UNSUPPORTED(isa);
+  for (int64_t n : std::vector<int64_t>{1, 7, 15, 16, 17, 33, 1023, kAdamChunk + 17}) {
+    for (at::ScalarType gt : {at::kBFloat16, at::kFloat}) {
+      State s = make_state(n, 5);
+      at::Tensor p16 = s.p.to(at::kBFloat16);
+      State r{p16.to(at::kFloat), s.m.clone(), s.v.clone()};
+      for (bool adamw : {true, false}) {
+        AdamHyper h{2, 1e-2, 0.9, 0.999, 1e-8, 0.1, adamw, true};
+        at::manual_seed(21);
+        const at::Tensor g = at::randn({n}).to(gt);
+        adam_step(p16, g, s.m, s.v, h, std::nullopt, false, isa);
+        adam_step(r.p, g, r.m, r.v, h, std::nullopt, false, "scalar");
+        SCOPED_TRACE("n=" + std::to_string(n) + " grad " + std::string(c10::toString(gt)) +
+                     " adamw=" + std::to_string(adamw));
+        expect_bitwise(p16, r.p.to(at::kBFloat16), "bf16 param");
+        expect_bitwise(s.m, r.m, "exp_avg");
+        expect_bitwise(s.v, r.v, "exp_avg_sq");
+        r.p = p16.to(at::kFloat);  // the next step starts from the rounded value on both paths
+      }
+    }
+  }
+}
+
 TEST_P(AdamIsa, LowPrecisionGradsAreUpcastExactly) {
   // Every 16-bit pattern as a gradient: stepping with the 16-bit tensor equals stepping with c10's fp32 upcast of it.
   const std::string isa = GetParam();
@@ -368,6 +395,11 @@ TEST(AdamValidation, RejectsBadArgumentsBeforeWriting) {
   expect_throws_untouched([&] { adam_step(s.p, g.to_sparse(), s.m, s.v, ok); }, s, "dense");
   State d{s.p.to(at::kDouble), s.m, s.v};
   expect_throws_untouched([&] { adam_step(d.p, g, d.m, d.v, ok); }, s, "param has dtype");
+  const at::Tensor half_p = s.p.to(at::kHalf);
+  expect_throws_untouched([&] { adam_step(half_p, g, s.m, s.v, ok); }, s, "param has dtype Half");
+  const at::Tensor bf16_p = s.p.to(at::kBFloat16);
+  expect_throws_untouched([&] { adam_step(bf16_p, g, s.m, s.v, ok, at::empty({64}, at::kBFloat16)); }, s,
+                          "param is bfloat16 and param_out is given");
 }
 
 TEST(CpuIsa, DetectionAndOverrides) {

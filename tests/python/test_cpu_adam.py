@@ -242,7 +242,7 @@ BAD_PARAMS = {
     "sparse-grad": (_sparse_grad_param, "gradient of CPUAdam param 0 of group 1.*dense"),
     "meta-device": (_meta_param, "param 0 of group 1.*is on meta"),
     "float64": (lambda: _typed_param(torch.float64), "param 0 of group 1.*float64.*float32"),
-    "bfloat16-param": (lambda: _typed_param(torch.bfloat16), "param 0 of group 1.*bfloat16.*float32"),
+    "float16-param": (lambda: _typed_param(torch.float16), "param 0 of group 1.*float16.*float32.*bfloat16"),
 }
 
 
@@ -361,6 +361,12 @@ def _ops_call(p, g, m, v, **kw):
         (lambda t: {"v": torch.ones(16)[::2]}, RuntimeError, "exp_avg_sq is not contiguous"),
         (lambda t: {"v": t["m"]}, RuntimeError, "exp_avg and exp_avg_sq share memory"),
         (lambda t: {"out": torch.empty(8, dtype=torch.int8)}, TypeError, "param_out has dtype Char"),
+        (lambda t: {"p": t["p"].half()}, TypeError, "param has dtype Half.*float32.*bfloat16"),
+        (
+            lambda t: {"p": t["p"].bfloat16(), "out": torch.empty(8, dtype=torch.bfloat16)},
+            ValueError,
+            "param is bfloat16 and param_out is given",
+        ),
         (lambda t: {"step": 0}, ValueError, "step=0"),
         (lambda t: {"lr": float("nan")}, ValueError, "invalid learning rate lr=nan"),
         (lambda t: {"beta2": 1.0}, ValueError, "invalid beta2=1"),

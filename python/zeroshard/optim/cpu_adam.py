@@ -15,6 +15,8 @@ from zeroshard import _C
 
 __all__ = ["CPUAdam"]
 
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def step_hooks(func: Callable) -> Callable:
     """What ``torch.optim.Optimizer`` wraps every ``step`` in (``profile_hook_step``: step pre/post hooks, global and
@@ -67,8 +69,11 @@ class CPUAdam(torch.optim.Optimizer):
     (see ``zeroshard.ops.adam_step`` for the exact operation order and the one known source of 1-ulp differences).
 
     Args:
-        params: iterable of parameters or of param-group dicts, as for any torch optimizer. Parameters must be fp32,
-            on the CPU, dense and contiguous.
+        params: iterable of parameters or of param-group dicts, as for any torch optimizer. Parameters must be on
+            the CPU, dense and contiguous, and fp32 or bf16. A bf16 parameter keeps no fp32 master: each step loads
+            it as fp32, updates it with fp32 moments and rounds the result to nearest even once, as
+            ``DeepSpeedCPUAdam`` does with bf16 parameters and ``fp32_optimizer_states=True`` (torch's AdamW on
+            bf16 parameters instead keeps bf16 moments and rounds after each of its operations).
         lr: learning rate, ``>= 0`` (float; a 0-dim tensor is read as a float each step).
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: ``>= 0``, added to the denominator.
@@ -76,13 +81,14 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: keyword only; True = AdamW (Loshchilov & Hutter 2019), False = Adam with L2 penalty.
         bias_correction: keyword only; Adam's bias correction (Kingma & Ba 2015, Alg. 1). torch always applies it.
 
-    Gradients: ``p.grad`` (fp32: torch requires ``.grad`` to share the parameter's dtype), or bf16 / fp16 / fp32
-    gradients passed to :meth:`step` as ``grads={param: grad}``: the kernel upcasts them while loading, with no
-    separate conversion pass (``zeroshard.ops.adam_step``).
+    Gradients: ``p.grad`` (the parameter's dtype, as torch requires), or bf16 / fp16 / fp32 gradients passed to
+    :meth:`step` as ``grads={param: grad}``: the kernel upcasts them while loading, with no separate conversion pass
+    (``zeroshard.ops.adam_step``).
 
-    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (fp32, like the
-    parameter): the same keys and layout as ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into either
-    and theirs load into this (a torch group's ``decoupled_weight_decay`` sets ``adamw_mode``).
+    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (fp32 for fp32 and bf16
+    parameters alike): the same keys and layout as ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into
+    either and theirs load into this (a torch group's ``decoupled_weight_decay`` sets ``adamw_mode``; moments torch
+    loaded as bf16 are kept as fp32).
 
     Raises:
         ValueError: in ``__init__`` for an out-of-range hyperparameter (naming the value). In ``step`` for a bad
@@ -132,8 +138,24 @@ class CPUAdam(torch.optim.Optimizer):
         sd["state"] = {k: _torch_state(v) for k, v in sd["state"].items()}
         return sd
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, except that the moments of bf16 parameters stay fp32:
+        torch casts every floating state tensor to its parameter's dtype, which would round them to bf16."""
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        moments = {
+            i: {k: v for k, v in state_dict["state"][i].items() if k in _MOMENTS and isinstance(v, torch.Tensor)}
+            for i in saved_ids
+            if i in state_dict["state"]
+        }
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            if p.dtype != torch.float32 and i in moments and p in self.state:
+                for k, v in moments[i].items():
+                    self.state[p][k] = v.to(dtype=torch.float32, device=p.device, copy=True).contiguous()
+        self._plans = {}
+
     @step_hooks
-    @torch.no_grad()
     def step(
         self, closure: Callable[[], float] | None = None, *, grads: Mapping[torch.Tensor, torch.Tensor] | None = None
     ) -> float | None:  # type: ignore[override]
@@ -154,6 +176,8 @@ class CPUAdam(torch.optim.Optimizer):
         Raises:
             ValueError: see the class docstring; nothing is modified when it is raised.
         """
+        # No torch.no_grad() here (it costs microseconds a step): the kernel writes through raw pointers, bumping
+        # autograd's version counters itself, and the new moments are made from no tensor that requires grad.
         loss = run_closure(closure)
         work, plans = [], []
         for gi, group in enumerate(self.param_groups):
@@ -179,11 +203,12 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """Fresh state of ``p`` in torch's keys: ``step`` (a plain number here), fp32 zero moments shaped like ``p``."""
+        """Fresh state of ``p`` in torch's keys: ``step`` (a plain number here), fp32 zero moments shaped like ``p``
+        (fp32 also for a bf16 ``p``), on the CPU."""
         return {
             "step": 0,
-            "exp_avg": torch.zeros_like(p, memory_format=torch.contiguous_format),
-            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.contiguous_format),
+            "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32),
         }
 
 
