@@ -48,8 +48,8 @@ def run_rank(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO / "examples"))
     from gpt import GPT, Block, GPTConfig
     from zeroshard import ZeroConfig, ZeroEngine
+    from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
     from zeroshard.meta_init import init_meta_context
-    from zeroshard.sharded_checkpoint import load_sharded, save_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -143,8 +143,8 @@ def run_rank(args: argparse.Namespace) -> None:
             row["padded_params"] = sum(fp.layout.padded_numel for fp in trainable)
             if engine.sharded is not None:
                 row["root_padded_params"] = sum(fp.layout.padded_numel for fp in engine.sharded.units[0].flat_params)
-                # each unit all-gather also carries the unit's 4-element tag (zeroshard.gather_check), in a bucket of
-                # its own: two calls counted per gather
+                # each unit all-gather also carries the unit's 4-element tag (zeroshard.sharding.gather_check), in a
+                # bucket of its own: two calls counted per gather
                 row["unit_gathers"] = stats["groups"]["shard_gather"]["last_step"]["all_gather"]["calls"] // 2
             engine.remove_hooks()
         results.append(row)
@@ -159,7 +159,7 @@ def run_rank(args: argparse.Namespace) -> None:
 def theory(row: dict, world: int, elements: int, root_elements: int = 0) -> float:
     """Bytes per rank and step for ``elements`` fp32 parameter elements (see the module docstring); with
     ``root_elements``, stage 3 gathers those once instead of twice."""
-    from zeroshard.comm_stats import theory_bytes
+    from zeroshard.sharding.comm_stats import theory_bytes
 
     k = row["k"]
     psi = 4 * elements
@@ -191,7 +191,7 @@ def launch(world: int, args: argparse.Namespace, tmp: Path) -> list[list[dict]]:
 
 
 def summarize(world: int, ranks: list[list[dict]]) -> list[dict]:
-    from zeroshard.gather_check import TAG_ELEMS
+    from zeroshard.sharding.gather_check import TAG_ELEMS
 
     rows = []
     for i, row in enumerate(ranks[0]):

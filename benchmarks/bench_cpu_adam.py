@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from zeroshard import _C, ops
-from zeroshard.cpu_adam import CPUAdam
 from zeroshard.isa import supported_cpu_isas
+from zeroshard.optim.cpu_adam import CPUAdam
 
 # DRAM bytes per parameter, counting write-allocate: a store to a line the pass did not read first costs a read for
 # ownership too (x86 caches), so a write-only stream moves its bytes twice. p, m, v are read before written: no RFO.

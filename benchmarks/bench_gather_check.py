@@ -1,9 +1,9 @@
 """What does the always-on gather check cost? ZeRO-3 step time with and without the unit tag (CPU, gloo, 2 ranks).
 
 Every stage-3 unit all-gather carries 4 extra elements per rank (the unit's index and phase) on a process group of its
-own, and every rank compares the gathered tags before using the buffer (:mod:`zeroshard.gather_check`). This times
-full training steps (forward, backward, AdamW step) of the example GPT (``examples/gpt.py``, one unit per block) under
-three engines built side by side over identical models, ``tagged`` (the default), ``untagged`` (the check off:
+own, and every rank compares the gathered tags before using the buffer (:mod:`zeroshard.sharding.gather_check`). This
+times full training steps (forward, backward, AdamW step) of the example GPT (``examples/gpt.py``, one unit per block)
+under three engines built side by side over identical models, ``tagged`` (the default), ``untagged`` (the check off:
 ``gather_check.ENABLED = False`` while that engine is built, all-gathers on the shard group without a tag, as before)
 and ``group_only`` (the dedicated group, no tag), one step of each per round in rotating order, so machine load drifts
 hit all alike. The cost is the median over rounds of the
@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
-from zeroshard import ZeroConfig, ZeroEngine, gather_check  # noqa: E402
+from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
+from zeroshard.sharding import gather_check  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

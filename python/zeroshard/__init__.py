@@ -18,18 +18,18 @@ Public API:
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from zeroshard import _C, ops  # noqa: F401
-from zeroshard.collective_errors import CollectiveError, DivergedRanksError
-from zeroshard.config import ZeroConfig
-from zeroshard.cpu_adam import CPUAdam
-from zeroshard.engine import ZeroEngine
-from zeroshard.fabric_precision import ZeroFabricPrecision
-from zeroshard.fabric_strategy import ZeroFabricStrategy
+from zeroshard.engine.config import ZeroConfig
+from zeroshard.engine.engine import ZeroEngine
 from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.meta_init import init_meta_context
-from zeroshard.precision import ZeroPrecision
+from zeroshard.optim.cpu_adam import CPUAdam
 from zeroshard.pretrained import load_pretrained
-from zeroshard.strategy import ZeroStrategy
+from zeroshard.sharding.collective_errors import CollectiveError, DivergedRanksError
+from zeroshard.strategies.fabric_precision import ZeroFabricPrecision
+from zeroshard.strategies.fabric_strategy import ZeroFabricStrategy
+from zeroshard.strategies.precision import ZeroPrecision
+from zeroshard.strategies.strategy import ZeroStrategy
 
 __version__ = "0.1.0"
 

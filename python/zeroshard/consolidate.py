@@ -21,8 +21,8 @@ Output:
     ``LightningModule.load_from_checkpoint`` (as Lightning's FSDP ``consolidate_checkpoint`` and DeepSpeed's
     ``convert_zero_checkpoint_to_fp32_state_dict`` do).
     ``--hf``: ``OUT`` is a directory ``transformers``' ``from_pretrained`` loads: the Hugging Face model recorded at
-    save time (:mod:`zeroshard.hf_export`) under its own names (prefix removed, tied duplicates dropped, LoRA merged),
-    safetensors, ``config.json`` and ``generation_config.json``.
+    save time (:mod:`zeroshard.checkpoint.hf_export`) under its own names (prefix removed, tied duplicates dropped, LoRA
+    merged), safetensors, ``config.json`` and ``generation_config.json``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from zeroshard.hf_export import hf_config_files, hf_tensor_plan, merge_lora
-from zeroshard.sharded_checkpoint import _SavedShards, open_checkpoint, read_trainer_state, verify
+from zeroshard.checkpoint.hf_export import hf_config_files, hf_tensor_plan, merge_lora
+from zeroshard.checkpoint.sharded_checkpoint import _SavedShards, open_checkpoint, read_trainer_state, verify
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -66,7 +66,7 @@ def plan_parameters(ckpt: str | Path, *, master: bool = True) -> list[_Item]:
 
     Raises:
         FileNotFoundError / ValueError: for a missing, corrupt or inconsistent file, the index included (every file is
-            checked first: :func:`zeroshard.sharded_checkpoint.verify`).
+            checked first: :func:`zeroshard.checkpoint.sharded_checkpoint.verify`).
     """
     where, index = open_checkpoint(ckpt)
     saved = _SavedShards(where.dir, index)
@@ -183,7 +183,7 @@ def consolidate(
     safetensors output is streamed (peak memory about the largest tensor); ``fmt="torch"`` (the state dict) and
     ``fmt="lightning"`` (:func:`lightning_checkpoint`: Lightning's format, for ``load_from_checkpoint``) build the whole
     state dict in memory, as ``torch.save`` needs. ``weights_only=False`` (``--allow-pickle``) lets ``lightning``
-    read trainer-state objects saved with pickle (:mod:`zeroshard.trainer_state`).
+    read trainer-state objects saved with pickle (:mod:`zeroshard.checkpoint.trainer_state`).
 
     Raises:
         ValueError: for an unknown ``fmt``; FileNotFoundError / ValueError for a missing or corrupt checkpoint file;
@@ -229,8 +229,8 @@ def export_hf(
     """Writes the Hugging Face model recorded in a sharded checkpoint as a directory ``from_pretrained`` loads.
 
     Tensors are streamed as in :func:`consolidate`, under the HF model's own names (see
-    :func:`zeroshard.hf_export.hf_tensor_plan`), in ``dtype`` (floating tensors; default as saved, fp32 masters where
-    kept); ``config.json`` (``dtype`` set to the written dtype, ``architectures`` to the class) and
+    :func:`zeroshard.checkpoint.hf_export.hf_tensor_plan`), in ``dtype`` (floating tensors; default as saved, fp32
+    masters where kept); ``config.json`` (``dtype`` set to the written dtype, ``architectures`` to the class) and
     ``generation_config.json`` are written beside them. Tensors of the module outside the HF model are left out,
     with a warning naming them. Returns the files written.
 

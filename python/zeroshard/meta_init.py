@@ -34,8 +34,8 @@ children) breaks the parity silently; a draw on a different device (CPU generato
 numbers.
 
 Hugging Face models (any module whose class defines ``_init_weights``) follow their own rules instead
-(:mod:`zeroshard.init_plan`, :mod:`zeroshard.hf_init`): ``_init_weights`` of the owning model for every module,
-children before parents, nested models first, as ``post_init`` does; the constructors' random draws recorded by
+(:mod:`zeroshard.init.init_plan`, :mod:`zeroshard.init.hf_init`): ``_init_weights`` of the owning model for every
+module, children before parents, nested models first, as ``post_init`` does; the constructors' random draws recorded by
 :func:`init_meta_context` are replayed on scratch tensors in between, so with the same seed and device the values
 are bit-identical to the eager build (tested on GPT-2 and Llama, transformers 5.23). A model built under a plain
 ``torch.device("meta")`` has no recorded draws: its values then follow the same distributions (deterministic buffers
@@ -61,8 +61,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from zeroshard.ctor_draws import RANDOM_FACTORIES, RANDOM_INITIALIZERS, DrawLog, new_log
-from zeroshard.init_plan import (
+from zeroshard.init.ctor_draws import RANDOM_FACTORIES, RANDOM_INITIALIZERS, DrawLog, new_log
+from zeroshard.init.init_plan import (
     REPLACEMENT_ATTR,
     check_plan,
     materialize_module,
@@ -102,7 +102,7 @@ _VALUE_ONLY_INITIALIZERS = frozenset(
 
 class _SkipMetaInitializers(TorchFunctionMode):
     """Turns value-only in-place initialisers on meta tensors into no-ops (returns ``self``) and records the random
-    ones, and random factories creating meta tensors, in ``log`` (:mod:`zeroshard.ctor_draws`). A scoped torch
+    ones, and random factories creating meta tensors, in ``log`` (:mod:`zeroshard.init.ctor_draws`). A scoped torch
     function mode, like ``torch.device`` itself; nothing is patched."""
 
     def __init__(self, log: DrawLog) -> None:
@@ -141,7 +141,7 @@ def init_meta_context() -> Generator[None, None, None]:
     (``normal_``, ``uniform_``, ``fill_``, ``zero_``, ...) are skipped outright by a scoped torch function mode, since
     torch runs some of them on meta through a slow Python decomposition. The random ones are recorded (initialiser,
     shape, dtype, arguments), so that materialising a Hugging Face model can replay them and reach its
-    ``_init_weights`` at the same point of the random stream as an eager build (:mod:`zeroshard.ctor_draws`).
+    ``_init_weights`` at the same point of the random stream as an eager build (:mod:`zeroshard.init.ctor_draws`).
 
     Tensors created with an explicit ``device=`` (e.g. ``torch.zeros(3, device="cpu")``) are not affected, and plain
     tensor attributes that are neither parameters nor buffers are not materialised later by :func:`materialize_`.
@@ -233,10 +233,10 @@ def materialize_module_(
 ) -> nn.Module:
     """Materialise ``module`` and all its submodules by their own rules (the non-sharded reference path).
 
-    The plan of :mod:`zeroshard.init_plan`: ``reset_parameters()`` in ``module.modules()`` order, Hugging Face models
-    (any module with ``_init_weights``) in their eager build's order with the constructors' random draws replayed, or
-    ``param_init_fn`` for every module. It is dry-run on meta first, so a tensor nobody initialises is an error
-    naming every such module, raised before anything is allocated. See :func:`materialize_` for shapes, dtypes and
+    The plan of :mod:`zeroshard.init.init_plan`: ``reset_parameters()`` in ``module.modules()`` order, Hugging Face
+    models (any module with ``_init_weights``) in their eager build's order with the constructors' random draws
+    replayed, or ``param_init_fn`` for every module. It is dry-run on meta first, so a tensor nobody initialises is an
+    error naming every such module, raised before anything is allocated. See :func:`materialize_` for shapes, dtypes and
     tied parameters, and the module docstring for bit parity with an eager build. Returns ``module``.
 
     Raises:

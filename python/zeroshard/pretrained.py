@@ -33,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 
 from zeroshard.meta_init import replacement
-from zeroshard.sharded_param import real_parameter
+from zeroshard.sharding.sharded_param import real_parameter
 
 __all__ = ["LoadReport", "SafetensorsSource", "apply_recorded_pretrained", "load_pretrained"]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from zeroshard import trainer_state
-from zeroshard.checkpoint_dir import POINTER, resolve
-from zeroshard.checkpoint_verify import INDEX, MANIFEST, file_entry, write_manifest
+from zeroshard.checkpoint import trainer_state
+from zeroshard.checkpoint.checkpoint_dir import POINTER, resolve
+from zeroshard.checkpoint.checkpoint_verify import INDEX, MANIFEST, file_entry, write_manifest
 
 
 def version_dir(ckpt: Path) -> Path:

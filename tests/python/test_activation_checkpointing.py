@@ -1,5 +1,5 @@
-"""Activation checkpointing (zeroshard.activation_checkpointing) on the example GPT: same loss and gradients, same
-names, real recomputation, CPU offload of the kept inputs, policy errors, idempotence. CPU only, a few seconds."""
+"""Activation checkpointing (zeroshard.strategies.activation_checkpointing) on the example GPT: same loss and gradients,
+same names, real recomputation, CPU offload of the kept inputs, policy errors, idempotence. CPU only, a few seconds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from gpt import GPT, MLP, Block, GPTConfig  # noqa: E402
-from zeroshard.activation_checkpointing import apply_activation_checkpointing, is_checkpointed  # noqa: E402
+from zeroshard.strategies.activation_checkpointing import apply_activation_checkpointing, is_checkpointed  # noqa: E402
 
 CFG = GPTConfig(n_layer=3, n_head=4, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
 BLOCK_NAMES = ["blocks.0", "blocks.1", "blocks.2"]

@@ -13,7 +13,7 @@ import torch
 from launch import run_ranks
 
 from zeroshard import ZeroConfig
-from zeroshard.comm_stats import theory_bytes
+from zeroshard.sharding.comm_stats import theory_bytes
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_runs.py"
 WORLD = 3

@@ -10,8 +10,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zeroshard import ops
-from zeroshard.cpu_adam import CPUAdam
 from zeroshard.isa import cpu_isa, supported_cpu_isas
+from zeroshard.optim.cpu_adam import CPUAdam
 
 ISAS = supported_cpu_isas()
 SIZES = (1, 15, 17, 1023, 1_000_003)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from zeroshard import ops
-from zeroshard.cpu_adam import CPUAdam
 from zeroshard.isa import supported_cpu_isas
+from zeroshard.optim.cpu_adam import CPUAdam
 
 ISAS = supported_cpu_isas()
 LR = 1e-2

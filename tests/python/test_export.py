@@ -24,8 +24,8 @@ from ckpt_tools import version_dir  # noqa: E402
 from hf_causal_lm import FIXED_BATCH, HFCausalLM, build_hf_model  # noqa: E402
 from launch import run_ranks  # noqa: E402
 
+from zeroshard.checkpoint.sharded_checkpoint import INDEX, verify  # noqa: E402
 from zeroshard.consolidate import export_hf  # noqa: E402
-from zeroshard.sharded_checkpoint import INDEX, verify  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "export_runs.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_load_pretrained_of_a_save_pretrained_file_at_stage_3(runs):
 
 
 def test_export_errors_name_the_fix(runs, tmp_path):
-    from zeroshard.hf_export import hf_tensor_plan
+    from zeroshard.checkpoint.hf_export import hf_tensor_plan
 
     index = verify(runs[0] / "gpt2_lora_s2" / "ckpt")
     [model] = index["hf_models"]
@@ -194,7 +194,7 @@ def test_lora_merge_equals_peft_merge_and_unload(arch):
     from peft import LoraConfig, get_peft_model
     from torch import nn
 
-    from zeroshard.hf_export import describe_hf_models, hf_tensor_plan, merge_lora
+    from zeroshard.checkpoint.hf_export import describe_hf_models, hf_tensor_plan, merge_lora
 
     torch.manual_seed(0)
     targets = ["c_attn"] if arch == "gpt2" else ["q_proj", "v_proj", "embed_tokens"]

@@ -126,7 +126,7 @@ def test_fabric_writes_the_trainers_sharded_format(runs):
         "trainer.json",
         "trainer.safetensors",
     ]
-    assert zeroshard.sharded_checkpoint.is_sharded_checkpoint(ckpt)
+    assert zeroshard.checkpoint.sharded_checkpoint.is_sharded_checkpoint(ckpt)
     loaded = torch.load(runs / "loaded_stage1.pt")  # after fabric.load and zero further steps
     consolidated = dict(iter_parameters(ckpt))
     assert set(consolidated) <= set(loaded) and "embed.weight" in consolidated

@@ -25,12 +25,12 @@ import torch
 from ckpt_tools import Exploit, edit_index, make_legacy, reseal, version_dir
 from launch import run_ranks
 
-from zeroshard import trainer_state
-from zeroshard.checkpoint_dir import POINTER, resolve
-from zeroshard.checkpoint_verify import CheckpointError
+from zeroshard.checkpoint import trainer_state
+from zeroshard.checkpoint.checkpoint_dir import POINTER, resolve
+from zeroshard.checkpoint.checkpoint_verify import CheckpointError
+from zeroshard.checkpoint.sharded_checkpoint import read_trainer_state, verify
+from zeroshard.checkpoint.trainer_state import UnsafeCheckpointError
 from zeroshard.consolidate import consolidate
-from zeroshard.sharded_checkpoint import read_trainer_state, verify
-from zeroshard.trainer_state import UnsafeCheckpointError
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_faults.py"
 TIMEOUT = 180  # seconds per multi-rank run: a hang fails the test

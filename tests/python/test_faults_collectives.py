@@ -45,7 +45,7 @@ def test_a_frozen_rank_ends_the_job_naming_collective_unit_step_and_rank(tmp_pat
     # rank 1 SIGSTOPs itself at the start of step 2; rank 0 waits in its first collective of that step
     report = _failed_run("stop", stage, tmp_path)
     rank0 = _rank_output(report, 0)
-    assert "zeroshard.collective_errors.CollectiveError" in rank0, rank0[-3000:]
+    assert "zeroshard.sharding.collective_errors.CollectiveError" in rank0, rank0[-3000:]
     line = next(ln for ln in rank0.splitlines() if "zeroshard: the " in ln)
     assert f"the {collective} of {what}" in line, line
     assert "failed on rank 0 (of 2) at step 2: it timed out" in line, line
@@ -112,7 +112,7 @@ def test_train_gpt_timeout_flag_reaches_the_strategy(monkeypatch):
 def test_gather_tags_are_exact_in_every_compute_dtype(dtype):
     import torch
 
-    from zeroshard import gather_check
+    from zeroshard.sharding import gather_check
 
     dt = getattr(torch, dtype)
     for index in (0, 1, 255, 256, 2047, 2049, 65_537, (1 << 24) - 1):

@@ -2,8 +2,8 @@
 
 Each now fails before training with an error naming the bad value and the fix (at construction, or at setup when the
 model or the precision is needed), or, where running is reasonable, warns once. Both strategies (Trainer and Fabric)
-share the checks (:mod:`zeroshard.strategy_settings`, :mod:`zeroshard.setup_checks`). Single-process where possible;
-one 2-rank gloo run goes through ``Trainer.fit``.
+share the checks (:mod:`zeroshard.strategies.strategy_settings`, :mod:`zeroshard.strategies.setup_checks`).
+Single-process where possible; one 2-rank gloo run goes through ``Trainer.fit``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from launch import run_ranks
 from tiny_lm import Block, TinyLM
 from torch import nn
 
-from zeroshard import ZeroFabricStrategy, ZeroStrategy, setup_checks
-from zeroshard.activation_checkpointing import is_checkpointed
+from zeroshard import ZeroFabricStrategy, ZeroStrategy
+from zeroshard.strategies import setup_checks
+from zeroshard.strategies.activation_checkpointing import is_checkpointed
 
 STRATEGIES = [ZeroStrategy, ZeroFabricStrategy]
 SCRIPTS = Path(__file__).parent / "scripts"

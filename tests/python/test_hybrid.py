@@ -83,8 +83,8 @@ def test_cross_group_traffic_is_one_gradient_shard(world4, run):
 
 
 def test_one_replica_group_writes_and_the_index_says_so(world4):
-    from zeroshard.checkpoint_dir import resolve
-    from zeroshard.sharded_checkpoint import verify
+    from zeroshard.checkpoint.checkpoint_dir import resolve
+    from zeroshard.checkpoint.sharded_checkpoint import verify
 
     ckpt = world4 / "hybrid_2x2_stage2"
     index = verify(ckpt)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from launch import run_ranks
 
-from zeroshard.sharded_optimizer import OptimizerSet
+from zeroshard.optim.sharded_optimizer import OptimizerSet
 
 SCRIPT = Path(__file__).parent / "scripts" / "gan_runs.py"
 RTOL, ATOL = 1e-5, 1e-6

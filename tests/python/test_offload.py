@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
 from zeroshard import _C, CPUAdam, ZeroConfig, ZeroEngine
-from zeroshard.offload import OffloadedAdam, threads_per_rank
+from zeroshard.offload.offload import OffloadedAdam, threads_per_rank
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The offloaded CPU step overlapped with backward (``overlap_step=True``, :mod:`zeroshard.overlap`) on the CPU, with
-host copy queues: the same code path as on a GPU. Results must equal the step after backward bit for bit (fp32), at
+"""The offloaded CPU step overlapped with backward (``overlap_step=True``, :mod:`zeroshard.offload.overlap`) on the CPU,
+with host copy queues: the same code path as on a GPU. Results must equal the step after backward bit for bit (fp32), at
 stages 1-3, with and without parameter offload, with gradient clipping and with an fp16 overflow; and a bucket's step
 must start before backward ends. One process (a gloo group of one)."""
 
@@ -15,8 +15,8 @@ from test_offload import group  # noqa: F401  (the gloo group of one, a module f
 from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
 from zeroshard import ZeroConfig, ZeroEngine
-from zeroshard.engine import master_gradients
-from zeroshard.loss_scaler import ShardedLossScaler
+from zeroshard.engine.engine import master_gradients
+from zeroshard.engine.loss_scaler import ShardedLossScaler
 
 pytestmark = pytest.mark.usefixtures("group")
 

@@ -19,7 +19,7 @@ from launch import REPO, run_ranks
 
 from zeroshard.plan import PRESETS, Layout, Training, choose, gpt_spec, hf_config_spec, memory, module_spec, plan
 from zeroshard.plan.__main__ import main as plan_main
-from zeroshard.plan.auto import auto_config
+from zeroshard.strategies.auto_plan import auto_config
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TOLERANCE = 0.10
@@ -139,7 +139,7 @@ def test_memory_orders_the_stages_as_zero_does():
 
 
 def test_auto_refuses_what_cannot_fit_and_picks_the_fastest_that_does():
-    from zeroshard.config import ZeroConfig
+    from zeroshard.engine.config import ZeroConfig
 
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])

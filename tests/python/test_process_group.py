@@ -1,4 +1,4 @@
-"""The process group a zeroshard strategy creates is destroyed at exit (``zeroshard.process_group``).
+"""The process group a zeroshard strategy creates is destroyed at exit (``zeroshard.strategies.process_group``).
 
 A gloo group left alive at interpreter shutdown can abort the process (exit -6, pytorch/pytorch#190489): seen on CI at
 the end of a 2-rank fit. Both loops here must leave the group usable after training and gone before shutdown.

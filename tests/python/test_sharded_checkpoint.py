@@ -9,8 +9,8 @@ import pytest
 import torch
 from launch import run_ranks
 
-from zeroshard.checkpoint_dir import resolve
-from zeroshard.sharded_checkpoint import verify
+from zeroshard.checkpoint.checkpoint_dir import resolve
+from zeroshard.checkpoint.sharded_checkpoint import verify
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_sharded.py"
 

@@ -34,7 +34,7 @@ state (params, grads, master, optimizer state, context): the start of backward (
 backward walked bucket by bucket (a bucket's gradient buffer appears once backward reaches it, by when the activations
 after it are freed), the last reductions, the optimizer step and the post-step all-gather.
 
-Host, per rank: the process baseline, and with offload exactly what :func:`zeroshard.offload.host_bytes_needed`
+Host, per rank: the process baseline, and with offload exactly what :func:`zeroshard.offload.offload.host_bytes_needed`
 allocates (fp32 master, Adam state, gradient shard in the reduce dtype, parameter shard with parameter offload, two
 upload buffers). ``"ddp"`` models torch DDP with autocast: fp32 parameters and gradients, DDP's bucket copy of the
 gradients, full Adam state, and autocast's compute-dtype copies of the weights.

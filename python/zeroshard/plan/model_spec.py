@@ -162,12 +162,13 @@ def module_spec(
 ) -> ModelSpec:
     """The spec of a built module (on the meta device or not: only shapes are read).
 
-    Units follow :func:`zeroshard.units.plan_units` with ``wrap_policy`` (default: see :func:`_default_unit_class`).
-    Dimensions not given are read from the module: ``hidden`` and ``vocab`` from its largest ``nn.Embedding``,
-    ``ffn`` as 4 x hidden, ``n_head`` from an ``n_head`` / ``num_heads`` / ``num_attention_heads`` attribute of a
-    unit or its children (else 1, which only affects the FLOPs of attention), ``seq_len`` 1024.
+    Units follow :func:`zeroshard.sharding.units.plan_units` with ``wrap_policy`` (default: see
+    :func:`_default_unit_class`). Dimensions not given are read from the module: ``hidden`` and ``vocab`` from its
+    largest ``nn.Embedding``, ``ffn`` as 4 x hidden, ``n_head`` from an ``n_head`` / ``num_heads`` /
+    ``num_attention_heads`` attribute of a unit or its children (else 1, which only affects the FLOPs of attention),
+    ``seq_len`` 1024.
     """
-    from zeroshard.units import plan_units
+    from zeroshard.sharding.units import plan_units
 
     policy = wrap_policy if wrap_policy is not None else _default_unit_class(module)
     trainable = [p for p in module.parameters() if p.requires_grad]

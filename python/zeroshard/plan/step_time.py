@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 
-from zeroshard.gather_check import TAG_ELEMS
 from zeroshard.plan.cluster import Cluster
 from zeroshard.plan.memory import FlatPlan, Layout, Training
 from zeroshard.plan.model_spec import ModelSpec
+from zeroshard.sharding.gather_check import TAG_ELEMS
 
 ADAM_BYTES = 28  # bytes per element one Adam step reads and writes (master, grad, m, v; benchmarks/bench_cpu_adam.py)
 
@@ -92,7 +92,8 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     tail = (rs + ar) / max(1, n_flat)  # the last bucket's reduction, after backward's compute
     if layout.stage == 3:
         units = [fp.root] + fp.units
-        # each unit all-gather also carries the unit's tag, TAG_ELEMS elements per rank (zeroshard.gather_check)
+        # each unit all-gather also carries the unit's tag, TAG_ELEMS elements per rank
+        # (zeroshard.sharding.gather_check)
         ag_fwd_bytes = p * (sum(units) + TAG_ELEMS * k * len(units)) * (k - 1) / k
         ag_bwd_bytes = p * (sum(fp.units) + TAG_ELEMS * k * len(fp.units)) * (k - 1) / k
         ag_fwd = _ring(ag_fwd_bytes, k, len(units), shard_link)

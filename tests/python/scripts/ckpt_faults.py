@@ -29,9 +29,9 @@ import torch.distributed as dist
 from tiny_lm import TinyLM, token_dataset
 
 import zeroshard
-from zeroshard.checkpoint_dir import KILL_ENV
-from zeroshard.sharded_checkpoint import load_sharded, save_sharded
-from zeroshard.trainer_state import UnsafeCheckpointError
+from zeroshard.checkpoint.checkpoint_dir import KILL_ENV
+from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
+from zeroshard.checkpoint.trainer_state import UnsafeCheckpointError
 
 
 def make_engine(seed: int) -> zeroshard.ZeroEngine:

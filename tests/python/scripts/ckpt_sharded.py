@@ -18,8 +18,8 @@ import torch.distributed as dist
 from tiny_lm import Block, TinyLM, token_dataset
 
 import zeroshard
-from zeroshard import sharded_checkpoint
-from zeroshard.sharded_checkpoint import load_sharded, save_sharded
+from zeroshard.checkpoint import sharded_checkpoint
+from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
 
 
 def fit(out: Path, stage: int) -> None:

@@ -14,8 +14,8 @@ import torch
 from tiny_lm import Block, TinyLM, token_dataset
 
 import zeroshard
-from zeroshard.loss_scaler import ShardedLossScaler
-from zeroshard.precision import ZeroPrecision
+from zeroshard.engine.loss_scaler import ShardedLossScaler
+from zeroshard.strategies.precision import ZeroPrecision
 
 OVERFLOW_STEP = 3
 

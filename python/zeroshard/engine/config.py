@@ -1,0 +1,179 @@
+"""ZeroConfig: every setting of a zeroshard run, validated when it is built so a bad config fails before training."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.engine.policy_check import check_policy
+
+SUPPORTED_STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Settings of the ZeRO engine.
+
+    Args:
+        stage: ZeRO stage (Rajbhandari et al. 2020, "ZeRO", section 5). 1 shards the fp32 master weights and optimizer
+            state; 2 also shards gradients (reduce-scattered in buckets during backward); 3 also shards the
+            parameters, all-gathered per unit on use and freed after.
+        offload_optimizer: keep master weights and optimizer state in host memory and step them with the fused CPU
+            Adam (ZeRO-Offload, Ren et al. 2021), pipelined with the copies (:mod:`zeroshard.offload.offload`): gradient
+            shards go device-to-host as each bucket's reduce-scatter finishes, and the step runs in chunks while updated
+            compute-dtype weights go host-to-device. Adam/AdamW are converted; other torch optimizers run unpipelined
+            on the host copies as they are.
+        offload_params: stage 3 with ``offload_optimizer``: the parameter shards live in pinned host memory (compute
+            dtype) and are copied to the device just before their all-gather, prefetched with it (ZeRO-Infinity's
+            parameter offload, Rajbhandari et al. 2021, section 5). The optimizer step writes them in place.
+        offload_chunk_size: elements per chunk of the pipelined host step (each chunk's upload buffer holds this
+            many compute-dtype elements; two are allocated).
+        overlap_step: with ``offload_optimizer``: step each bucket on a host worker as soon as its gradient shard is
+            copied to the host, while backward goes on (:mod:`zeroshard.offload.overlap`); results equal the step after
+            backward bit for bit. With gradient clipping or fp16 loss scaling the step waits for the end of backward
+            (their factors are global) and folds them into the kernel. Off by default until measured on a GPU.
+        reduce_bucket_size: elements per flat parameter / gradient bucket (stages 1-2). Each bucket is one
+            reduce-scatter (stage 2) or all-reduce (stage 1). Default 25M elements, like DeepSpeed's ``5e8`` bytes / 20.
+        allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
+        max_inflight_buckets: reduce-scatters allowed in flight during backward before the oldest is waited on;
+            bounds the full-size gradient buffers alive at once (stage 2 memory).
+        align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes (>= 64, a
+            cache line / AVX-512 vector).
+        wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
+            threshold (int >= 1), or ``callable(name, module) -> bool`` (called with each submodule's qualified name
+            and the module). The root is always a unit. Checked here for its kind and a callable's signature; the
+            strategies also check at setup that it selects at least one module (:mod:`zeroshard.engine.policy_check`).
+        prefetch: stage 3: all-gather the next unit while the current one computes.
+        param_persistence_threshold: stage 3: units with fewer parameter elements than this stay gathered for the
+            whole run (DeepSpeed's ``stage3_param_persistence_threshold``): too small to be worth a collective each.
+            An int >= 0; non-zero only at stage 3.
+        reduce_dtype: dtype gradients are accumulated and reduced in (a floating ``torch.dtype``); default fp32,
+            whatever the compute dtype. ``torch.bfloat16`` halves the gradient traffic of bf16-mixed runs.
+        param_init_fn: ``callable(module)`` that initialises a module's own tensors when a model built on the meta
+            device is materialised; default: each module's ``reset_parameters()``.
+        check_gather_order: stage 3 debug setting: compare the order of gathered units across ranks after every
+            backward and raise naming the first difference. ``True`` at stages 1-2 is an error (nothing is gathered).
+        shard_group_size: hybrid sharding (:mod:`zeroshard.sharding.hybrid`; FSDP's HYBRID_SHARD, ZeRO++ hpZ, MiCS):
+            shard over groups of this many consecutive ranks and replicate across the world / k groups. ``None`` (or
+            the world size) shards over every rank. Must divide the world size (checked when the engine is built).
+        device_mesh: instead of ``shard_group_size``, a ``DeviceMesh``: 2-D ``(replicate, shard)`` or 1-D (shard).
+
+    Raises:
+        ValueError: naming the bad setting and the accepted values.
+    """
+
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_chunk_size: int = 4 * 1024 * 1024
+    overlap_step: bool = False
+    reduce_bucket_size: int = 25_000_000
+    allgather_bucket_size: int = 25_000_000
+    max_inflight_buckets: int = 2
+    align_bytes: int = 64
+    wrap_policy: object = None
+    prefetch: bool = True
+    check_gather_order: bool = False
+    param_init_fn: object = None
+    reduce_dtype: object = None
+    param_persistence_threshold: int = 0
+    shard_group_size: int | None = None
+    device_mesh: object = None
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.stage, bool)
+            or not isinstance(self.stage, numbers.Integral)
+            or self.stage not in SUPPORTED_STAGES
+        ):
+            kind = (
+                f" (a {type(self.stage).__name__}: pass the int {int(self.stage)})"
+                if isinstance(self.stage, float) and self.stage in SUPPORTED_STAGES
+                else ""
+            )
+            raise ValueError(
+                f"ZeroStrategy(stage={self.stage!r}) is not a ZeRO stage{kind}: use 1 (optimizer state sharded), 2 "
+                "(optimizer state and gradients sharded) or 3 (parameters sharded too), as an int, or 'auto' (the "
+                "strategies' planner chooses)."
+            )
+        object.__setattr__(self, "stage", int(self.stage))  # a numpy integer becomes a plain int
+        if self.stage != 3 and self.wrap_policy is not None:
+            raise ValueError(
+                f"ZeroStrategy(wrap_policy={self.wrap_policy!r}) only applies to stage=3 (stages 1-2 keep parameters "
+                "whole); drop it or use stage=3."
+            )
+        check_policy("ZeroStrategy", "wrap_policy", self.wrap_policy, threshold=True)
+        if (
+            isinstance(self.param_persistence_threshold, bool)
+            or not isinstance(self.param_persistence_threshold, int)
+            or self.param_persistence_threshold < 0
+        ):
+            raise ValueError(
+                f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int >= 0 "
+                "(elements: stage-3 units smaller than this stay gathered; 0, the default, keeps none gathered)."
+            )
+        for name, value, default in (
+            ("check_gather_order", self.check_gather_order, False),
+            ("param_persistence_threshold", self.param_persistence_threshold, 0),
+        ):
+            if self.stage != 3 and value != default:
+                raise ValueError(
+                    f"ZeroStrategy({name}={value!r}) only applies to stage=3 (stages 1-2 gather no units, so it "
+                    f"would do nothing at stage={self.stage}); drop it or use stage=3."
+                )
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "offload_chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
+        if self.reduce_dtype is not None and not (
+            isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"ZeroStrategy(reduce_dtype={self.reduce_dtype!r}) must be a floating torch.dtype "
+                "(torch.float32, torch.bfloat16 or torch.float16) or None."
+            )
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(f"ZeroStrategy(param_init_fn={self.param_init_fn!r}) must be callable(module) or None.")
+        for name in ("prefetch", "check_gather_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
+        for name in ("offload_optimizer", "offload_params", "overlap_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"ZeroStrategy(offload_params=True) needs stage=3 (got stage={self.stage}): only stage 3 shards the "
+                "parameters. Use stage=3, or drop offload_params and keep offload_optimizer=True."
+            )
+        if self.overlap_step and not self.offload_optimizer:
+            raise ValueError(
+                "ZeroStrategy(overlap_step=True) overlaps the offloaded CPU step with backward: it needs "
+                "offload_optimizer=True. Set offload_optimizer=True too, or drop overlap_step."
+            )
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError(
+                "ZeroStrategy(offload_params=True) needs offload_optimizer=True: the host step writes the offloaded "
+                "parameter shards in place. Set offload_optimizer=True too."
+            )
+        if not isinstance(self.align_bytes, int) or self.align_bytes < 64 or self.align_bytes & (self.align_bytes - 1):
+            raise ValueError(
+                f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two >= 64 (one cache line)."
+            )
+
+        if self.shard_group_size is not None and (
+            isinstance(self.shard_group_size, bool)
+            or not isinstance(self.shard_group_size, int)
+            or self.shard_group_size < 1
+        ):
+            raise ValueError(
+                f"ZeroStrategy(shard_group_size={self.shard_group_size!r}) must be a positive integer (ranks per shard "
+                "group, dividing the world size) or None (shard over every rank)."
+            )
+        if self.device_mesh is not None and self.shard_group_size is not None:
+            raise ValueError("ZeroStrategy: give either shard_group_size or device_mesh, not both.")
+
+    def align_elems(self, element_size: int) -> int:
+        """Alignment in elements for a buffer of ``element_size``-byte elements."""
+        return max(1, self.align_bytes // element_size)

@@ -1,0 +1,190 @@
+"""Points a user's torch optimizer at the fp32 master shards instead of the module's parameters.
+
+The optimizer object is kept (so LR schedulers built on it in ``configure_optimizers`` keep working): each param group's
+``params`` list is replaced by the master shards of the buckets built from that group. The step then runs on this rank's
+shard only, which is ZeRO stage 1's saving (Rajbhandari et al. 2020, section 5.1): any torch optimizer works unchanged
+because every per-element state tensor it creates has the master shard's shape.
+
+With ``offload_optimizer=True``, ``torch.optim.Adam``/``AdamW`` are swapped for
+:class:`zeroshard.offload.offload.OffloadedAdam` (a :class:`zeroshard.optim.cpu_adam.CPUAdam`) with the same
+hyperparameters (DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host copies.
+
+Several optimizers (a GAN's generator and discriminator) share one engine: :class:`OptimizerSet` numbers their param
+groups in one sequence (optimizer 0's groups first), so buckets and units, which never mix param groups, never mix
+optimizers either, and each optimizer gets the master shards of its own groups.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from zeroshard.sharding.flat_param import FlatParam
+
+
+def original_param_groups(optimizer: Optimizer) -> list[list[torch.nn.Parameter]]:
+    """The parameter lists of each param group, before rewiring (kept for checkpoints in torch's format)."""
+    return [list(group["params"]) for group in optimizer.param_groups]
+
+
+def rewire(optimizer: Optimizer, flat_params: list[FlatParam], group_of_flat: list[int]) -> None:
+    """Replaces each param group's parameters by the master shards of its buckets.
+
+    Raises:
+        RuntimeError: if the optimizer already holds state (it must be fresh, as returned by ``configure_optimizers``).
+    """
+    if optimizer.state:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameters; zeroshard must "
+            "shard a fresh optimizer. Restore optimizer state through the Trainer's checkpoint instead."
+        )
+    for gi, group in enumerate(optimizer.param_groups):
+        group["params"] = [fp.master for fp, g in zip(flat_params, group_of_flat) if g == gi]
+
+
+def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optimizer:
+    """Returns a :class:`~zeroshard.optim.cpu_adam.CPUAdam` (or subclass ``cls``, built with ``extra`` keyword
+    arguments) equivalent to ``optimizer`` if it is Adam or AdamW, else ``optimizer`` itself.
+
+    Param group entries are copied as they are (``initial_lr`` and others that LR schedulers added included), so a
+    scheduler can be pointed at the returned optimizer.
+    """
+    from zeroshard.optim.cpu_adam import CPUAdam
+
+    cls = cls or CPUAdam
+
+    if type(optimizer) is torch.optim.AdamW:
+        adamw_mode = True
+    elif type(optimizer) is torch.optim.Adam:
+        adamw_mode = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    else:
+        warnings.warn(
+            f"offload_optimizer=True with {type(optimizer).__name__}: it runs unfused on the host copies of the master "
+            "weights. Return torch.optim.Adam or AdamW from configure_optimizers to get the fused CPUAdam.",
+            stacklevel=2,
+        )
+        return optimizer
+    unsupported = [k for k in ("amsgrad", "maximize") if optimizer.defaults.get(k)]
+    if unsupported:
+        warnings.warn(
+            f"offload_optimizer=True: CPUAdam has no {unsupported}; keeping {type(optimizer).__name__} on the host.",
+            stacklevel=2,
+        )
+        return optimizer
+    d = optimizer.defaults
+    cpu_adam = cls(
+        [dict(group) for group in optimizer.param_groups],
+        lr=d["lr"],
+        betas=d["betas"],
+        eps=d["eps"],
+        weight_decay=d["weight_decay"],
+        adamw_mode=adamw_mode,
+        **extra,
+    )
+    return cpu_adam
+
+
+class OptimizerSet:
+    """The optimizers of one engine, with their param groups numbered in one sequence.
+
+    Args:
+        optimizers: one torch optimizer or several, fresh (no state), over disjoint parameters of one module.
+
+    Attributes:
+        optimizers: the optimizers to step, in the order given (an Adam/AdamW becomes its
+            :class:`~zeroshard.offload.offload.OffloadedAdam` after :meth:`offload_adam`).
+        group_optimizer: for each global param group, the index of the optimizer that owns it.
+
+    Raises:
+        TypeError: if an element is not a ``torch.optim.Optimizer``.
+        ValueError: if no optimizer is given, or one parameter is in two optimizers.
+    """
+
+    def __init__(self, optimizers: Optimizer | Sequence[Optimizer]) -> None:
+        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        if not optimizers:
+            raise ValueError("zeroshard needs at least one optimizer over the module's parameters")
+        bad = [type(o).__name__ for o in optimizers if not isinstance(o, Optimizer)]
+        if bad:
+            raise TypeError(f"zeroshard shards torch.optim.Optimizer objects; got {bad}")
+        seen: dict[int, int] = {}
+        for oi, opt in enumerate(optimizers):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if seen.setdefault(id(p), oi) != oi:
+                        raise ValueError(
+                            f"a parameter of shape {tuple(p.shape)} is in optimizers {seen[id(p)]} and {oi}: each "
+                            "parameter must belong to one optimizer (one param group)"
+                        )
+        self.optimizers: list[Optimizer] = optimizers
+        self.group_optimizer = [oi for oi, opt in enumerate(optimizers) for _ in opt.param_groups]
+        self._flat: list[list[FlatParam]] = [[] for _ in optimizers]
+        self._owner: dict[int, int] = {}  # id(flat param) -> optimizer index
+
+    def original_groups(self) -> list[list[torch.nn.Parameter]]:
+        """Every optimizer's parameter lists, one per param group, in the global group order."""
+        return [group for opt in self.optimizers for group in original_param_groups(opt)]
+
+    def group_slice(self, oi: int) -> slice:
+        """The global indices of optimizer ``oi``'s param groups."""
+        start = self.group_optimizer.index(oi)
+        return slice(start, start + len(self.optimizers[oi].param_groups))
+
+    def rewire(self, flat_params: list[FlatParam], group_of_flat: list[int]) -> None:
+        """Points every optimizer at the master shards of its own groups' flat parameters (see :func:`rewire`)."""
+        for oi, opt in enumerate(self.optimizers):
+            first = self.group_slice(oi).start
+            mine = [(fp, g - first) for fp, g in zip(flat_params, group_of_flat) if self.group_optimizer[g] == oi]
+            rewire(opt, [fp for fp, _ in mine], [g for _, g in mine])
+            self._flat[oi] = [fp for fp, _ in mine]
+            self._owner.update({id(fp): oi for fp, _ in mine})
+
+    def offload_adam(self, cls: type, **extra) -> None:
+        """Replaces each Adam/AdamW by ``cls`` over the same groups (:func:`to_cpu_adam`), with ``flat_of``."""
+        flat_of = {id(fp.master): fp for flats in self._flat for fp in flats}
+        self.optimizers = [to_cpu_adam(opt, cls, flat_of=flat_of, **extra) for opt in self.optimizers]
+
+    def index(self, optimizer: Optimizer) -> int:
+        """The position of ``optimizer`` (or of the optimizer a Lightning/Fabric wrapper holds).
+
+        Raises:
+            ValueError: if it is none of this engine's optimizers.
+        """
+        optimizer = unwrap_optimizer(optimizer)
+        for oi, opt in enumerate(self.optimizers):
+            if opt is optimizer:
+                return oi
+        raise ValueError(
+            f"{type(optimizer).__name__} is not one of the optimizers zeroshard set up; step, clip and save the "
+            "optimizers that the strategy returned (with optimizer offload, Adam/AdamW are replaced by OffloadedAdam)"
+        )
+
+    def flat_params_of(self, optimizer: Optimizer | None) -> list[FlatParam]:
+        """The trainable flat parameters ``optimizer`` steps (every optimizer's when ``None``)."""
+        if optimizer is None:
+            return [fp for flats in self._flat for fp in flats]
+        return list(self._flat[self.index(optimizer)])
+
+    def optimizer_of(self, fp: FlatParam) -> Optimizer:
+        return self.optimizers[self._owner[id(fp)]]
+
+    def group_index_of(self, fp: FlatParam) -> int:
+        """The global param group index of a trainable flat parameter."""
+        oi = self._owner[id(fp)]
+        first = self.group_slice(oi).start
+        groups = self.optimizers[oi].param_groups
+        return first + next(gi for gi, g in enumerate(groups) if any(p is fp.master for p in g["params"]))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every optimizer's param group dicts (live), in the global group order."""
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` or Fabric's ``_FabricOptimizer`` (both keep it as
+    ``_optimizer``), or ``optimizer`` itself."""
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -1,0 +1,187 @@
+"""GradReducer: moves gradients from the module's parameters into flat buckets and reduces them across ranks.
+
+During backward, a post-accumulate-grad hook on every bucketed parameter adds its fresh gradient into its bucket's
+full-size gradient buffer and drops ``param.grad``. When every parameter of a bucket has reported (and all earlier
+buckets were launched, so every rank issues collectives in one order), the bucket is reduce-scattered into its gradient
+shard asynchronously while backward goes on. At every stage that is the only gradient collective: stage 1 keeps the
+whole gradient buffer (zeroed after the reduction, for the next accumulation) but needs only its shard reduced, so its
+traffic is DDP's (ZeRO paper section 5: P_os has DDP's volume). At most ``max_inflight`` reductions are in flight;
+beyond that the oldest is waited on and (stages 2-3) its full buffer freed, which bounds the gradient memory.
+
+When backward ends (an autograd engine callback, with the strategy's ``post_backward`` as a fallback), buckets that
+did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
+take part in the same collectives and none hangs (the failure mode of pytorch issue 158719).
+
+A reduction that fails or times out (a dead or frozen rank) is re-raised as a
+:class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the bucket (its index and parameters), the step
+and the rank.
+
+During gradient accumulation (``require_grad_sync = False``) gradients only accumulate in the full buffers; the
+reduction runs once, in the last micro-batch's backward, like DDP's ``no_sync``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch.autograd import Variable
+
+from zeroshard import _C
+from zeroshard.sharding.collective_errors import describe_bucket, named_collective
+from zeroshard.sharding.flat_param import FlatParam
+
+
+class GradReducer:
+    """Gradient hooks and bucketed reductions for a list of flat parameters.
+
+    Args:
+        flat_params: buckets in expected backward order (the launch order on every rank).
+        collectives: ``_C.BucketedCollectives`` on the data-parallel process group.
+        stage: 1 (full gradient buffers kept between steps) or 2-3 (full buffers freed after their reduce-scatter).
+        max_inflight: reductions in flight before the oldest is waited on.
+        on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
+        on_reduced: called with each flat parameter once its reduced gradient shard is complete (optimizer offload
+            copies it to the host then, while backward goes on).
+        on_finished: called once per backward when it is complete, with True if gradients were reduced (False for
+            an accumulation micro-batch).
+    """
+
+    def __init__(
+        self,
+        flat_params: list[FlatParam],
+        collectives: _C.BucketedCollectives,
+        *,
+        stage: int,
+        max_inflight: int,
+        on_launch: Callable[[FlatParam], None] | None = None,
+        on_reduced: Callable[[FlatParam], None] | None = None,
+        on_finished: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.flat_params = flat_params
+        self.collectives = collectives
+        self.stage = stage
+        self.max_inflight = max_inflight
+        self.on_launch = on_launch
+        self.on_reduced = on_reduced
+        self.on_finished = on_finished
+        self.world_size = collectives.world_size
+        self.require_grad_sync = True
+        self._ready = [0] * len(flat_params)
+        self._reported: list[set[int]] = [set() for _ in flat_params]
+        self._next_launch = 0
+        self._inflight: deque[tuple[int, object]] = deque()
+        self._backward_active = False
+        self._grads_ready = False
+        self._handles = []
+        self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
+        for fi, fp in enumerate(flat_params):
+            for pi, p in enumerate(fp.params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(fi, pi)))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def grads_ready(self) -> bool:
+        """True once a synchronised backward finished and :attr:`FlatParam.grad_shard` holds the reduced gradient."""
+        return self._grads_ready
+
+    def _make_hook(self, fi: int, pi: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(fi, pi, param)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, fi: int, pi: int, param: torch.Tensor) -> None:
+        if not self._backward_active:
+            self._backward_active = True
+            self._grads_ready = False
+            Variable._execution_engine.queue_callback(self.finish_backward)
+        fp = self.flat_params[fi]
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        fp.full_grad_views()[pi].add_(grad)
+        if pi in self._reported[fi]:
+            return  # a second gradient for one parameter in one backward (reentrant use): already counted
+        self._reported[fi].add(pi)
+        if self.require_grad_sync and len(self._reported[fi]) == len(fp.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        n = len(self.flat_params)
+        while self._next_launch < n and len(self._reported[self._next_launch]) == len(
+            self.flat_params[self._next_launch].params
+        ):
+            self._launch(self._next_launch)
+
+    def _launch(self, fi: int) -> None:
+        fp = self.flat_params[fi]
+        fp.full_grad_views()  # zeros if no parameter of this bucket got a gradient (unused in this step)
+        scale = 1.0 / self.world_size
+        handle = self.collectives.reduce_scatter([fp.full_grad], [fp.grad_shard], fp.full_grad.numel(), scale, True)
+        self._inflight.append((fi, handle))
+        self._next_launch = fi + 1
+        if self.on_launch is not None:
+            self.on_launch(fp)
+        while len(self._inflight) > self.max_inflight:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        fi, handle = self._inflight.popleft()
+        fp = self.flat_params[fi]
+        with named_collective(
+            "gradient reduce-scatter",
+            lambda: describe_bucket(fi, fp.names, fp.numel),
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.world_size,
+        ):
+            handle.wait()
+        if self.stage == 1:
+            fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
+        else:
+            fp.free_full_grad()
+        if self.on_reduced is not None:
+            self.on_reduced(fp)
+
+    @torch.no_grad()
+    def finish_backward(self) -> None:
+        """Ends a backward pass: launches what is left (in bucket order) and waits for every reduction.
+
+        Called by the autograd engine when backward ends and again by the strategy after backward: the second call
+        does nothing. If no hook fired at all (no parameter used on this rank), the second call still launches every
+        bucket, with zero gradients, so this rank joins the collectives the other ranks issue.
+        """
+        active, self._backward_active = self._backward_active, False
+        if not self.require_grad_sync:
+            self._reported = [set() for _ in self.flat_params]
+            if active and self.on_finished is not None:
+                self.on_finished(False)
+            return
+        if self._grads_ready:
+            return
+        while self._next_launch < len(self.flat_params):
+            self._launch(self._next_launch)
+        while self._inflight:
+            self._complete_oldest()
+        self._next_launch = 0
+        self._reported = [set() for _ in self.flat_params]
+        self._grads_ready = True
+        if self.on_finished is not None:
+            self.on_finished(True)
+
+    @torch.no_grad()
+    def consume(self) -> None:
+        """Marks the reduced gradients as used by an optimizer step. The next reduction goes into fresh zeroed
+        gradient shards; the used ones stay the masters' ``.grad`` until ``optimizer.zero_grad()``, as a DDP
+        parameter's gradient does (a step without backward, e.g. SWA's batch-norm epoch, then reuses it, as there)."""
+        self._grads_ready = False
+        for fp in self.flat_params:
+            fp.release_grad_shard()

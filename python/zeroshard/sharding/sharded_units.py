@@ -1,0 +1,552 @@
+"""ZeRO stage 3 at run time: each unit's parameters exist whole only while the unit runs.
+
+Forward: a pre-hook all-gathers the unit (or waits for its prefetch) and starts the all-gather of the next unit in the
+recorded forward order; a post-hook frees the full buffer and wraps the unit's outputs in an autograd function whose
+backward gathers the unit again (and prefetches the unit that runs backward next) before the unit's own backward.
+Backward: a unit is freed once its backward is over, i.e. both the gradients of its inputs (an autograd function on
+the inputs, as FSDP2's post-backward) and the gradient reductions of its trainable flat parameters are done: frozen
+weights (LoRA's base weights) stay until the last gradient that needs them is computed.
+The root unit (parameters no other unit claims: embeddings, final norm, head) stays gathered from the start of a step to
+the end of its backward, as FSDP2 does with ``reshard_after_forward=None`` on the root; outside a step it is gathered
+by the forward of the smallest module holding all its parameters (and of each module holding one), and freed after it
+unless a backward follows.
+
+The hooks run on every forward, in a training step or not, under ``torch.no_grad()`` too (FSDP2 and DeepSpeed do the
+same), so evaluation, ``generate`` and a user's own inference see whole parameters. While a unit is freed, its module
+slots hold :class:`~zeroshard.sharding.sharded_param.ShardedParameter` placeholders: reads outside a forward gather the
+unit on demand on every rank (a collective), whole-tensor writes land in the shard. The hooks are hidden from
+``torch.compile`` (``torch.compiler.disable``): a compiled block graph-breaks at its hooks and compiles its body.
+
+Every gather is one bucketed all-gather over the unit's flat parameters, on a process group of its own, carrying a
+tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every rank checks before using the buffer:
+ranks that took different code paths end with an error naming every rank's unit, never training on parameters mixed
+across units (the failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is
+re-raised as a :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the unit, the step and the rank.
+``check_gather_order=True`` (debug) also exchanges the unit before every all-gather, which names the divergence even
+where the units' sizes differ (the backend may otherwise abort on the mismatched sizes first).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zeroshard import _C
+from zeroshard.sharding import gather_check
+from zeroshard.sharding.collective_errors import DivergedRanksError, named_collective
+from zeroshard.sharding.flat_param import FlatParam
+from zeroshard.sharding.sharded_param import ShardedParameter
+
+
+class Unit:
+    """A unit's flat parameters and gather state."""
+
+    def __init__(
+        self, name: str, module: nn.Module, flat_params: list[FlatParam], is_root: bool, persistent: bool = False
+    ) -> None:
+        self.name = name or "<root>"
+        self.module = module
+        self.flat_params = flat_params
+        self.is_root = is_root
+        self.persistent = persistent  # below the persistence threshold: gathered once, never freed
+        self.pending = None  # CollectiveHandle of an all-gather in flight
+        self.staging: list[torch.Tensor] | None = None  # device copies of host shards feeding that all-gather
+        self.launched = 0  # trainable flat parameters whose reduction was launched this backward
+        self.inputs_pending = 0  # forwards of this step whose input gradients are not computed yet
+        self.accessed = False  # gathered outside a forward because a placeholder was read (freed on the next event)
+        self.dirty = False  # its gathered values may have been written: write them back to the shard when freed
+        self.tag_sent: list[int] | None = None  # gather tag of the all-gather in flight (gather_check.encode)
+        self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
+        self.backward = False  # whether the all-gather in flight is for backward
+
+    @property
+    def trainable(self) -> list[FlatParam]:
+        return [fp for fp in self.flat_params if fp.trainable]
+
+    @property
+    def is_gathered(self) -> bool:
+        return all(fp.is_gathered for fp in self.flat_params)
+
+
+class _UnitIdentity(torch.autograd.Function):
+    """Identity on tensors of unit ``index``; the subclasses act on the unit when backward reaches them."""
+
+    @staticmethod
+    def forward(ctx, runtime: ShardedUnits, index: int, *tensors: torch.Tensor):
+        ctx.runtime, ctx.index = runtime, index
+        return tuple(t.view_as(t) for t in tensors)
+
+
+class _RegatherBeforeBackward(_UnitIdentity):
+    """On a unit's outputs; its backward gathers the unit before the unit's own backward runs."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime._pre_backward(ctx.index)
+        return (None, None, *grads)
+
+
+class _PostBackward(_UnitIdentity):
+    """On a unit's inputs; its backward runs once every gradient of those inputs is computed, i.e. once the unit's own
+    backward is over (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.runtime._post_backward(ctx.index)
+        return (None, None, *grads)
+
+
+def _wrap_tensors(fn, runtime, index: int, tree):
+    """Applies autograd function ``fn`` to the tensors of ``tree`` that require grad; returns the new tree, or None
+    if there were none."""
+    flat, spec = tree_flatten(tree)
+    idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+    if not idx:
+        return None
+    wrapped = fn.apply(runtime, index, *[flat[i] for i in idx])
+    for i, t in zip(idx, wrapped):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+class ShardedUnits:
+    """Gather-on-use hooks for a list of units (the first one is the root).
+
+    Args:
+        units: units in registration order, root first.
+        collectives: ``_C.BucketedCollectives`` for the unit all-gathers: on a group of their own
+            (:func:`~zeroshard.sharding.gather_check.dedicated_group`), so they never meet another kind of collective.
+        prefetch: all-gather the next unit (forward and backward order, recorded on the first step) while the current
+            one computes.
+        check_gather_order: debug setting; before every all-gather, check that all ranks gather the same unit.
+    """
+
+    def __init__(
+        self, units: list[Unit], collectives: _C.BucketedCollectives, *, prefetch: bool, check_gather_order: bool
+    ) -> None:
+        self.units = units
+        self.collectives = collectives
+        self.prefetch = prefetch
+        self.check_gather_order = check_gather_order
+        self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
+        self._recording = True
+        self.pinned = False  # inside gathered_parameters(): every unit stays whole, hooks do nothing
+        self._param_stream: torch.cuda.Stream | None = None  # parameter offload: host-to-device copies + all-gather
+        self._handles = []
+        self._root_gathered_by: list[bool] = []  # per root-hook call: whether it gathered the root unit
+        self.step_fn = lambda: None  # the engine's step counter, for error messages
+        self._deferred_tags: list[tuple[int, torch.Tensor]] = []  # CUDA: tags checked at the end of the step
+        self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
+        self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
+        for i, unit in enumerate(units):
+            if unit.is_root:
+                continue
+            pre, post = self._make_pre_forward(i), self._make_post_forward(i)
+            self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(post))
+        root = units[0].module
+        for module in _root_hook_modules(root, units[0]):
+            self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
+            self._handles.append(module.register_forward_hook(self._root_post_forward))
+        _attach_slots(root, units, self)
+        # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
+        # mode: forwards hold collectives), and lets dynamo treat the modules as FSDP-managed ones (parameters are
+        # graph inputs, so the swap between placeholders and parameters around each use is seen, not baked in).
+        for m in root.modules():
+            m._is_fsdp_managed_module = True
+            m._fsdp_use_orig_params = True
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- gather and free -----------------------------------------------------------------------------------------------
+
+    def unshard(self, index: int, *, wait: bool = True) -> None:
+        """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
+        unit = self.units[index]
+        if unit.pending is None and not unit.is_gathered:
+            unit.backward = torch._C._current_graph_task_id() != -1
+            if self.check_gather_order:
+                self._check_same_unit(index)
+            for fp in unit.flat_params:
+                fp.alloc_full()
+            tag, tags = self._tag_buffers(index, unit)
+            fulls = [fp.full for fp in unit.flat_params] + tags
+            # the unit's buffers fill one bucket, so the tag goes in a bucket of its own: a 4-element all-gather right
+            # after the unit's, in the same handle (packing it with the unit would add a staging copy of the whole
+            # unit to every gather: +1 to +2.5 % CPU time per step in bench_gather_check.py)
+            bucket = sum(fp.layout.padded_numel for fp in unit.flat_params)
+            if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
+                unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
+            else:
+                shards = [fp.shard for fp in unit.flat_params] + tag
+                with self._named("all-gather (launch)", unit):
+                    unit.pending = self.collectives.all_gather(shards, fulls, bucket)
+        if wait and unit.pending is not None:
+            self._wait(unit)
+
+    def _tag_buffers(self, index: int, unit: Unit) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's gather tag for unit ``index`` (:data:`~zeroshard.sharding.gather_check.TAG_ELEMS` elements, the
+        parameters' dtype and device) and the buffer receiving every rank's tag, as lists to append to the all-gather's
+        shards and fulls (empty when the check is off)."""
+        fp0 = unit.flat_params[0]
+        if not self.tagged:
+            return [], []
+        unit.tag_sent = gather_check.encode(index, unit.backward)
+        tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
+        tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+        if unit.tags is None:
+            world = self.collectives.world_size
+            unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
+        return [tag], [unit.tags]
+
+    def _check_tags(self, index: int, tags: torch.Tensor) -> None:
+        """Raises if the ranks' tags of the all-gather just completed differ (ranks gathered different units)."""
+        ranks = gather_check.disagreement(tags)
+        if ranks is None:
+            return
+        where = ", ".join(
+            f"rank {r}: (not a gather tag: that rank's collective was something else)"
+            if t is None
+            else f"rank {t[0]} -> '{self.units[t[1]].name}' ({'backward' if t[2] else 'forward'})"
+            for r, t in enumerate(ranks)
+        )
+        raise DivergedRanksError(
+            f"zeroshard: ranks diverged: at one all-gather (step {self.step_fn()}, this is rank "
+            f"{self.collectives.rank}, gathering '{self.units[index].name}') the ranks gathered different units: "
+            f"{where}. Every rank must run the same units in the same order (ZeRO-3 all-gathers are collective); make "
+            "the control flow in forward depend only on what is the same on every rank. The gathered buffer was not "
+            "used."
+        )
+
+    def check_deferred_tags(self) -> None:
+        """CUDA: checks the tags of this step's all-gathers (read on the host once per step, at its end, so the
+        check adds no synchronisation inside the step; a divergence still ends the job before the optimizer step)."""
+        pending, self._deferred_tags = self._deferred_tags, []
+        if not pending:
+            return
+        tags = torch.stack([t for _, t in pending]).cpu()
+        for (index, _), row in zip(pending, tags):
+            self._check_tags(index, row)
+
+    def _named(self, collective: str, unit: Unit):
+        phase = "backward" if unit.backward else "forward"
+        return named_collective(
+            collective,
+            f"unit '{unit.name}' ({phase})",
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.collectives.world_size,
+        )
+
+    def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int, tag: list[torch.Tensor]):
+        """Parameter offload: host shards -> device staging -> all-gather, on a side stream.
+
+        The host-to-device copies and the all-gather run on ``_param_stream`` so a prefetch does not hold up the
+        compute already queued on the current stream; the side stream first waits for that compute, which also
+        orders the reuse of staging memory freed after earlier gathers. Returns the handle and the staging tensors,
+        kept alive until the wait.
+        """
+        if self._param_stream is None:
+            self._param_stream = torch.cuda.Stream(device=fulls[0].device)
+        stream = self._param_stream
+        stream.wait_stream(torch.cuda.current_stream(fulls[0].device))
+        with torch.cuda.stream(stream):
+            staging = [fp.shard.to(fp.full.device, non_blocking=True) for fp in unit.flat_params] + tag
+            with self._named("all-gather (launch)", unit):
+                handle = self.collectives.all_gather(staging, fulls, bucket)
+        return handle, staging
+
+    def wait_param_copies(self) -> None:
+        """Parameter offload: blocks the host until every host-to-device copy of host shards is done, so the host
+        step may overwrite the shards."""
+        if self._param_stream is not None:
+            self._param_stream.synchronize()
+
+    def _wait(self, unit: Unit) -> None:
+        handle, unit.pending = unit.pending, None
+        with self._named("parameter all-gather", unit):
+            handle.wait()
+        if self.tagged:
+            index = self.units.index(unit)
+            if unit.tags.is_cuda:
+                self._deferred_tags.append((index, unit.tags.clone()))
+                if len(self._deferred_tags) >= 256:  # forwards without a step end (generation): bounded memory
+                    self.check_deferred_tags()
+            else:
+                self._check_tags(index, unit.tags)
+        unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
+        for fp in unit.flat_params:
+            fp.is_gathered = True
+
+    def reshard(self, index: int, *, force: bool = False) -> None:
+        unit = self.units[index]
+        if unit.pending is not None:
+            self._wait(unit)
+        if unit.dirty and unit.is_gathered:
+            for fp in unit.flat_params:
+                fp.write_back()
+        unit.dirty = unit.accessed = False
+        for fp in unit.flat_params:
+            fp._snapshot = None
+        if unit.persistent and not force:
+            return
+        for fp in unit.flat_params:
+            if fp.is_gathered:
+                fp.free_full()
+
+    def unshard_all(self) -> None:
+        for i in range(len(self.units)):
+            self.unshard(i)
+
+    def reshard_all(self) -> None:
+        for i in range(len(self.units)):
+            self.reshard(i)
+
+    # -- hooks ---------------------------------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, index: int):
+        @torch.compiler.disable
+        def hook(module, args, kwargs):
+            if self.pinned:
+                return None
+            self.release_accessed(keep=index)
+            self._record(index)
+            self.unshard(index)
+            self.units[index].accessed = False  # used by this forward now: its post-hook frees it
+            if self.prefetch and not self._recording:
+                nxt = self._neighbour(index, +1)
+                if nxt is not None:
+                    self.unshard(nxt, wait=False)
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return None  # no backward will come, or a recomputation inside backward
+            wrapped = _wrap_tensors(_PostBackward, self, index, (args, kwargs))
+            if wrapped is None:
+                return None
+            self.units[index].inputs_pending += 1
+            return wrapped
+
+        return hook
+
+    def _make_post_forward(self, index: int):
+        @torch.compiler.disable
+        def hook(module, args, output):
+            if self.pinned:
+                return output
+            if torch._C._current_graph_task_id() != -1:
+                return output  # recomputation inside backward (activation checkpointing): keep the unit gathered
+            self.reshard(index)
+            if not torch.is_grad_enabled():
+                return output
+            wrapped = _wrap_tensors(_RegatherBeforeBackward, self, index, output)
+            return output if wrapped is None else wrapped
+
+        return hook
+
+    @torch.compiler.disable
+    def _root_pre_forward(self, module, args) -> None:
+        """Outside a step the root unit is freed: the outermost root hook gathers it for this forward."""
+        root = self.units[0]
+        gather = not self.pinned and not root.is_gathered
+        if gather:
+            self.release_accessed()
+            self.unshard(0)
+        self._root_gathered_by.append(gather)
+
+    @torch.compiler.disable
+    def _root_post_forward(self, module, args, output):
+        if not self._root_gathered_by.pop():
+            return output
+        if torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(output)[0]):
+            return output  # a backward follows: the root stays gathered until it ends (FSDP2 keeps its root too)
+        self.reshard(0)
+        return output
+
+    def _pre_backward(self, index: int) -> None:
+        self.unshard(index)
+        if self.prefetch:
+            nxt = self._neighbour(index, -1)
+            if nxt is not None:
+                self.unshard(nxt, wait=False)
+
+    def _post_backward(self, index: int) -> None:
+        unit = self.units[index]
+        unit.inputs_pending = max(0, unit.inputs_pending - 1)
+        self._free_if_backward_done(unit, index)
+
+    def _free_if_backward_done(self, unit: Unit, index: int) -> None:
+        """Frees a unit whose backward is over: every input gradient computed (so every use of its weights, frozen
+        ones included) and every trainable flat parameter's reduction launched (so every weight gradient taken)."""
+        if not unit.is_root and unit.inputs_pending == 0 and unit.launched >= len(unit.trainable):
+            self.reshard(index)
+
+    def _record(self, index: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        if self._recording:
+            if index in self.forward_order:  # a second forward began: the first one's order is complete
+                self._recording = False
+            else:
+                self.forward_order.append(index)
+
+    def begin_step(self) -> None:
+        """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
+        self.release_accessed()
+        self.unshard(0)
+        self.units[0].accessed = False
+
+    def _neighbour(self, index: int, step: int) -> int | None:
+        order = self.forward_order
+        try:
+            pos = order.index(index) + step
+        except ValueError:
+            return None
+        return order[pos] if 0 <= pos < len(order) else None
+
+    def on_reduction_launched(self, fp: FlatParam) -> None:
+        """GradReducer callback: one more trainable flat parameter of its unit has all its gradients (and is being
+        reduced); the unit is freed once its backward is over (:meth:`_free_if_backward_done`)."""
+        unit = self._unit_of[id(fp)]
+        unit.launched += 1
+        if unit.launched == len(unit.trainable):
+            self._free_if_backward_done(unit, self.units.index(unit))
+
+    def bind_flat_params(self) -> None:
+        self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
+
+    def end_of_step(self) -> None:
+        """After backward: frees every unit, checks the step's deferred gather tags (CUDA) and stops recording the
+        forward order."""
+        self.reshard_all()
+        self.check_deferred_tags()
+        for unit in self.units:
+            unit.launched = 0
+            unit.inputs_pending = 0
+        if self.forward_order:
+            self._recording = False
+
+    # -- parameters read or written outside a forward (ShardedParameter's ParamAccess) -------------------------------
+
+    def release_accessed(self, keep: int | None = None) -> None:
+        """Frees the units gathered because a placeholder was read (writing back what was written to them)."""
+        for i, unit in enumerate(self.units):
+            if unit.accessed and i != keep:
+                self.reshard(i)
+
+    def resolve(self, placeholders: list[ShardedParameter]) -> list[torch.Tensor]:
+        needed = []
+        for ph in placeholders:
+            i = self.units.index(self._unit_of[id(ph.flat)])
+            if i not in needed:
+                needed.append(i)
+        for i in range(len(self.units)):
+            if self.units[i].accessed and i not in needed:
+                self.reshard(i)  # one op's units at a time: reading a model unit by unit keeps one unit whole
+        for i in needed:
+            unit = self.units[i]
+            if not unit.is_gathered:
+                self._check_access(unit, placeholders)
+                self.unshard(i)
+                self.may_write(unit)
+                unit.accessed = True
+        return [ph.flat.params[ph.index].detach() for ph in placeholders]
+
+    def write(self, placeholder: ShardedParameter, src: torch.Tensor) -> None:
+        fp, i = placeholder.flat, placeholder.index
+        unit = self._unit_of[id(fp)]
+        if unit.is_gathered:
+            self.may_write(unit)
+            fp.params[i].detach().copy_(src)
+        else:
+            fp.write_param_shard(i, src)
+
+    def mark_written(self, placeholders: list[ShardedParameter]) -> None:
+        for ph in placeholders:
+            self.may_write(self._unit_of[id(ph.flat)])
+
+    def may_write(self, unit: Unit) -> None:
+        """The gathered ``unit`` may be written from now on: what differs from its shards when it is freed is written
+        back (:meth:`FlatParam.write_back`)."""
+        for fp in unit.flat_params:
+            fp.snapshot()
+        unit.dirty = True
+
+    def describe(self, placeholder: ShardedParameter) -> str:
+        return f"'{placeholder.flat.names[placeholder.index]}' of unit '{self._unit_of[id(placeholder.flat)].name}'"
+
+    def _check_access(self, unit: Unit, placeholders: list[ShardedParameter]) -> None:
+        names = ", ".join(self.describe(ph) for ph in placeholders if self._unit_of[id(ph.flat)] is unit)
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                f"zeroshard: {names} is sharded (freed) but is read during backward. Its unit was freed before its "
+                "backward was over; please report this with the model, and use gathered_parameters() meanwhile."
+            )
+        if torch.is_grad_enabled() and any(ph.requires_grad for ph in placeholders):
+            raise RuntimeError(
+                f"zeroshard: {names} is sharded (ZeRO stage 3) and is used with autograd outside its unit's forward, "
+                "so no gradient could reach it. Use it inside the module's forward (wrap the module that uses it in "
+                "the same unit, e.g. through wrap_policy), or read it under torch.no_grad()."
+            )
+
+    def _check_same_unit(self, index: int) -> None:
+        """Debug: before every all-gather, all ranks exchange which unit they are about to gather.
+
+        A rank on another code path reaches a different unit (or a different phase) at the same collective, so the
+        exchange itself is matched and the error names both units instead of gloo/NCCL failing on mismatched sizes.
+        """
+        self._gather_count += 1
+        phase = 1 if torch._C._current_graph_task_id() != -1 else 0
+        mine = torch.tensor([index, phase], dtype=torch.int64, device=self._check_device)
+        everyone = torch.empty(self.collectives.world_size * 2, dtype=torch.int64, device=self._check_device)
+        with self._named("gather-order check (check_gather_order=True)", self.units[index]):
+            dist.all_gather_into_tensor(everyone, mine, group=self._group)
+        pairs = everyone.view(-1, 2).tolist()
+        if any(p != pairs[0] for p in pairs):
+            where = ", ".join(
+                f"rank {r} -> '{self.units[u].name}' ({'backward' if ph else 'forward'})"
+                for r, (u, ph) in enumerate(pairs)
+            )
+            raise DivergedRanksError(
+                f"zeroshard: ranks diverged at all-gather #{self._gather_count}: {where}. Every rank must run the same "
+                "units in the same order (ZeRO-3 all-gathers are collective); make the control flow in forward "
+                "depend only on what is the same on every rank."
+            )
+
+    def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The process group and device for the debug order check."""
+        self._group, self._check_device, self._gather_count = group, device, 0
+
+
+def _attach_slots(root: nn.Module, units: list[Unit], access: ShardedUnits) -> None:
+    """Gives every flat parameter the module slots of its parameters (tied ones have several) and its placeholders."""
+    where: dict[int, list[tuple[dict, str]]] = {}
+    for m in root.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((m._parameters, name))
+    for unit in units:
+        for fp in unit.flat_params:
+            fp.attach([where.get(id(p), []) for p in fp.params], access)
+
+
+def _root_hook_modules(root: nn.Module, unit: Unit) -> list[nn.Module]:
+    """The smallest module holding every root-unit parameter, then each module holding one directly."""
+    params = {id(p) for fp in unit.flat_params for p in fp.params}
+    owners: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        if any(id(p) in params for p in m._parameters.values() if p is not None):
+            owners.append((name, m))
+    if not owners:
+        return []
+    parts = [name.split(".") if name else [] for name, _ in owners]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    top = root.get_submodule(".".join(common)) if common else root
+    return [top] + [m for _, m in owners if m is not top]
