@@ -148,8 +148,8 @@ adam_kernel::TrafficFn traffic_for(CpuIsa isa) {
 int64_t prefetch_elems() {
   static const int64_t elems = [] {
     // Measured (bench_cpu_adam.py; paired sweeps against torch's fused AdamW in one process): 1 KiB ahead gained
-    // about 10% at the memory limit on Sapphire Rapids; on AMD EPYC 256 B was best from 10M to 100M elements
-    // (1.13-1.20x torch, against 0.91-1.11x with 1 KiB and 1.03-1.11x with none).
+    // about 10% at the memory limit on Sapphire Rapids; on AMD EPYC 256 B was best at 10M and 30M elements
+    // (1.13-1.21x torch, against 0.91-1.03x with 1 KiB and 1.03-1.11x with none) and best or level at 100M.
     const int64_t default_bytes = cpu_vendor() == "AuthenticAMD" ? 256 : 1024;
     const char* env = std::getenv("ZEROSHARD_ADAM_PREFETCH_BYTES");
     if (env == nullptr || *env == '\0') return default_bytes / 4;
