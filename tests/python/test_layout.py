@@ -94,3 +94,18 @@ def test_allowed_layers_form_no_cycle():
 
     for layer in ALLOWED:
         visit(layer, ())
+
+
+def test_command_line_modules_run_without_import_warnings():
+    """`python -m zeroshard.consolidate` / `zeroshard.plan` (documented commands): importing the package must not
+    import the module being run, or runpy warns "found in sys.modules ... prior to execution"."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(PACKAGE.parent), PYTHONWARNINGS="error::RuntimeWarning")
+    for module in ("zeroshard.consolidate", "zeroshard.plan"):
+        proc = subprocess.run([sys.executable, "-m", module, "--help"], env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 0 and "usage" in proc.stdout, (module, proc.stderr[-2000:])
+        assert "RuntimeWarning" not in proc.stderr, (module, proc.stderr[-2000:])

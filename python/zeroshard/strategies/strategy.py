@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 
 from zeroshard.checkpoint.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.checkpoint.trainer_state import lightning_weights_only
-from zeroshard.consolidate import lightning_checkpoint
 from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, materialize_module_
@@ -386,6 +385,10 @@ class ZeroStrategy(DDPStrategy):
         weights_only = lightning_weights_only(weights_only)  # Lightning 2.6 drops it when restoring after setup
         if is_sharded_checkpoint(checkpoint_path):  # any directory: one that is no checkpoint gets a clear error
             if self._engine is None:  # validate/test/predict on a fresh Trainer: the whole model, on every rank
+                # Imported here: if importing zeroshard imported the CLI module, `python -m zeroshard.consolidate`
+                # would warn that it was imported before it ran.
+                from zeroshard.consolidate import lightning_checkpoint
+
                 return lightning_checkpoint(checkpoint_path, weights_only=weights_only)
             state = load_sharded(self._engine, checkpoint_path, weights_only=weights_only)
             return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
