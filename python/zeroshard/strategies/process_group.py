@@ -7,16 +7,26 @@ merged). torch asks every script to call ``torch.distributed.destroy_process_gro
 strategies leave the group alive so that code after ``fit`` can still use it. Both strategies here keep that, and
 destroy the group from an ``atexit`` handler, while the interpreter is still whole, when they were the ones to create
 it. A group the user created stays theirs to destroy.
+
+Destroying the group does not stop gloo's worker threads (``ProcessGroupGloo`` has no shutdown; its threads end with
+its destructor, and the engine's collectives still hold the group). A worker that has just finished a collective
+still has to drop that work's tensors, which needs the GIL when Python created them (``all_gather_object`` after
+``fit``, for one). If the interpreter is finalizing by then, the worker is unwound through a ``noexcept`` destructor:
+the same abort, seen in about one run in four of ``test_fp16_overflow_*`` (core dump: ``~AsyncAllgatherWork`` ->
+``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). So the handler also releases the GIL for a moment
+(:data:`GLOO_DRAIN_SECONDS`) while the interpreter is whole, for those workers to finish.
 """
 
 from __future__ import annotations
 
 import atexit
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 _registered = False
+GLOO_DRAIN_SECONDS = 0.1  # at exit, with the GIL released: for gloo workers to drop their last work's tensors
 
 
 def init_and_destroy_at_exit(init: Callable[[], None]) -> None:
@@ -32,5 +42,9 @@ def init_and_destroy_at_exit(init: Callable[[], None]) -> None:
 
 
 def _destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    gloo = dist.get_backend() == "gloo"
+    dist.destroy_process_group()
+    if gloo:
+        time.sleep(GLOO_DRAIN_SECONDS)
