@@ -77,7 +77,7 @@ AdamGroup::AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp
     check_dense_cpu(p, what, "move the model to the CPU, or use a GPU optimizer");
     TORCH_CHECK_VALUE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kBFloat16, what, " has dtype ",
                       dtype_name(p.scalar_type()), "; ", label_,
-                      " steps torch.float32 (master) or torch.bfloat16 parameters: call .float()");
+                      " steps torch.float32 (master) or torch.bfloat16 parameters: call .float() or .bfloat16()");
     const char* keys[] = {"exp_avg", "exp_avg_sq"};
     const at::Tensor* states[] = {&exp_avgs_[i], &exp_avg_sqs_[i]};
     for (int k = 0; k < 2; ++k) {

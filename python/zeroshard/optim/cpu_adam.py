@@ -55,7 +55,7 @@ def _global_post_hooks() -> dict:
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam / AdamW for fp32 CPU parameters, one fused pass per parameter (``zeroshard.ops.adam_step``).
+    """Adam / AdamW for fp32 or bf16 CPU parameters, one fused pass per parameter (``zeroshard.ops.adam_step``).
 
     A drop-in for ``torch.optim.AdamW`` (``adamw_mode=True``) or ``torch.optim.Adam`` (``adamw_mode=False``) with
     ``amsgrad=False, maximize=False``. Per element and step ``t``::
