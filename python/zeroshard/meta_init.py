@@ -55,13 +55,15 @@ pytorch#90465).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Generator, Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.overrides import TorchFunctionMode
 
-from zeroshard.init.ctor_draws import RANDOM_FACTORIES, RANDOM_INITIALIZERS, DrawLog, new_log
+from zeroshard.init.ctor_draws import DrawLog, new_log, storage_key
 from zeroshard.init.init_plan import (
     REPLACEMENT_ATTR,
     check_plan,
@@ -71,6 +73,15 @@ from zeroshard.init.init_plan import (
     owns_meta,
     plan_init,
     run_plan,
+)
+from zeroshard.init.writes import (
+    DATA_GET,
+    DATA_SET,
+    RANDOM_FACTORIES,
+    RANDOM_INITIALIZERS,
+    VALUE_FACTORIES,
+    holds_tensor,
+    write_target,
 )
 
 __all__ = ["check_no_meta", "has_meta", "replacement", "init_meta_context", "materialize_", "materialize_module_"]
@@ -101,9 +112,10 @@ _VALUE_ONLY_INITIALIZERS = frozenset(
 
 
 class _SkipMetaInitializers(TorchFunctionMode):
-    """Turns value-only in-place initialisers on meta tensors into no-ops (returns ``self``) and records the random
-    ones, and random factories creating meta tensors, in ``log`` (:mod:`zeroshard.init.ctor_draws`). A scoped torch
-    function mode, like ``torch.device`` itself; nothing is patched."""
+    """Turns value-only in-place initialisers on meta tensors into no-ops (returns ``self``) and records every write
+    into a meta tensor, every factory that creates one and every new meta storage in ``log``
+    (:mod:`zeroshard.init.ctor_draws`), in order. A scoped torch function mode, like ``torch.device`` itself; nothing
+    is patched."""
 
     def __init__(self, log: DrawLog) -> None:
         super().__init__()
@@ -111,26 +123,70 @@ class _SkipMetaInitializers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _VALUE_ONLY_INITIALIZERS:
-            tensor = args[0] if args else kwargs.get("tensor")
-            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                if func in RANDOM_INITIALIZERS and kwargs.get("generator") is None:
-                    rest = {k: v for k, v in kwargs.items() if k != "tensor"}
-                    self.log.record_inplace(func, tensor, tuple(args[1:]), rest)
-                return tensor
+        target = write_target(func, args, kwargs)
+        # `p.data = x` (what module.to() / _apply do) writes no value: p now shows x's storage, whose writes count
+        if target is not None and target.is_meta and func is not DATA_SET:
+            skip = func in _VALUE_ONLY_INITIALIZERS
+            rest = {k: v for k, v in kwargs.items() if k != "tensor"}
+            extra = tuple(args[1:])
+            out = target if skip else func(*args, **kwargs)
+            if kwargs.get("generator") is not None or holds_tensor(extra) or holds_tensor(rest):
+                self.log.record_inplace(None, target, (), {})  # reads another tensor: not replayable
+            else:
+                self.log.record_inplace(func, target, extra, rest, random=func in RANDOM_INITIALIZERS)
+            return out
         out = func(*args, **kwargs)
-        if (
-            func in RANDOM_FACTORIES
-            and isinstance(out, torch.Tensor)
-            and out.is_meta
-            and kwargs.get("generator") is None
-        ):
-            self.log.record_factory(func, out, tuple(args), kwargs)
+        if isinstance(out, torch.Tensor) and out.is_meta:
+            replayable = kwargs.get("generator") is None and not holds_tensor(args) and not holds_tensor(kwargs)
+            if func in RANDOM_FACTORIES and kwargs.get("generator") is None:
+                self.log.record_factory(func, out, tuple(args), kwargs)
+            elif func in VALUE_FACTORIES and replayable:
+                self.log.record_factory(func, out, tuple(args), kwargs, random=False)
+            elif out._base is None and func is not DATA_GET and not _aliases_input(out, args, kwargs):
+                self.log.record_creation(out)
         return out
 
 
+# nn.init functions that return at once on a meta tensor without a torch function call the mode could see (torch
+# 2.13: trunc_normal_, orthogonal_, sparse_, dirac_), yet consume random numbers (trunc_normal_'s rejection loop: a
+# data-dependent count) in an eager build. Their calls are seen by a profile hook instead and recorded whole: replayed
+# from the same random state they draw exactly what the eager call drew.
+_SILENT_ON_META = {
+    getattr(nn.init, n).__code__: getattr(nn.init, n)
+    for n in ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+    if hasattr(nn.init, n)
+}
+
+
+def _aliases_input(out: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether ``out`` shares its storage with a tensor argument (``t.to(same device)`` returns ``t``; ``detach``)."""
+    key = storage_key(out)
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return any(a.is_meta and storage_key(a) == key for a in inputs)
+
+
+def _recording_calls(log: DrawLog, chained):
+    def hook(frame, event, arg):
+        if event == "call":
+            func = _SILENT_ON_META.get(frame.f_code)
+            if func is not None:
+                code, values = frame.f_code, frame.f_locals
+                names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+                tensor = values.get(names[0])
+                if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                    kwargs = {n: values[n] for n in names[1:] if n in values}
+                    if kwargs.get("generator") is not None or holds_tensor(kwargs):
+                        log.record_inplace(None, tensor, (), {})
+                    else:
+                        log.record_inplace(func, tensor, (), kwargs, random=func is not nn.init.dirac_)
+        if chained is not None:
+            chained(frame, event, arg)
+
+    return hook
+
+
 @contextlib.contextmanager
-def init_meta_context() -> Generator[None, None, None]:
+def init_meta_context(*, empty_init: bool = False) -> Generator[None, None, None]:
     """Context manager under which every parameter and buffer a module constructor creates is on the meta device.
 
     It makes ``torch.device("meta")`` the default device (PyTorch's device context manager, as in the FSDP2 /
@@ -146,8 +202,16 @@ def init_meta_context() -> Generator[None, None, None]:
     Tensors created with an explicit ``device=`` (e.g. ``torch.zeros(3, device="cpu")``) are not affected, and plain
     tensor attributes that are neither parameters nor buffers are not materialised later by :func:`materialize_`.
     """
-    with torch.device("meta"), _SkipMetaInitializers(new_log()):
-        yield
+    log = new_log(empty_init=empty_init)
+    handle = register_module_module_registration_hook(log.record_registration)
+    profiler = sys.getprofile()
+    sys.setprofile(_recording_calls(log, profiler))
+    try:
+        with torch.device("meta"), _SkipMetaInitializers(log):
+            yield
+    finally:
+        sys.setprofile(profiler)
+        handle.remove()
 
 
 def materialize_(

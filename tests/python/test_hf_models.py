@@ -105,7 +105,7 @@ def test_uninitialisable_modules_are_all_named_before_any_allocation():
         materialize_module_(model, "cpu")
     msg = str(err.value)
     assert "'lm.model.layers.1.extra' (_NoInit)" in msg and "'side' (_NoInit)" in msg
-    assert "scale" in msg and "mask" in msg
+    assert "mask" in msg and "scale" not in msg  # torch.ones(4) is replayed; a buffer computed from it is not
     assert "reset_parameters" in msg and "param_init_fn" in msg
     assert "q_proj" not in msg and "rotary" not in msg  # what HF initialises is not listed
     assert all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))  # nothing was allocated

@@ -291,9 +291,13 @@ def test_param_init_fn_replaces_reset_parameters_once_per_owner_in_order():
 
 
 class NoReset(nn.Module):
+    """Its value is computed from another tensor (not replayable on meta) and it has no reset_parameters()."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(3))
+        self.w = nn.Parameter(torch.empty(3))
+        with torch.no_grad():
+            self.w.copy_(torch.arange(3.0) * 2)
 
 
 class NeedsInit(nn.Module):
@@ -301,7 +305,7 @@ class NeedsInit(nn.Module):
         super().__init__()
         self.first = nn.Linear(3, 3)
         self.blocks = nn.ModuleList([nn.Linear(3, 3), NoReset()])
-        self.register_buffer("mask", torch.ones(3))  # the root itself has no reset_parameters either
+        self.register_buffer("mask", torch.ones(3, 3).tril())  # computed; the root has no reset_parameters either
 
 
 def test_module_without_reset_parameters_is_named_and_nothing_is_allocated():

@@ -23,41 +23,41 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# in-place initialisers that consume random numbers (a draw on meta consumes nothing, so these must be replayed)
-RANDOM_INITIALIZERS = frozenset(
-    [getattr(torch.Tensor, n) for n in ("normal_", "uniform_", "bernoulli_", "exponential_", "random_", "cauchy_",
-                                        "log_normal_", "geometric_")]
-    + [getattr(nn.init, n) for n in ("normal_", "uniform_", "trunc_normal_", "xavier_uniform_", "xavier_normal_",
-                                     "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
-       if hasattr(nn.init, n)]
-)  # fmt: skip
-
-# factories that consume random numbers; on meta they allocate nothing and draw nothing
-RANDOM_FACTORIES = frozenset(
-    getattr(torch, n)
-    for n in ("randn", "rand", "randint", "randperm", "normal", "randn_like", "rand_like", "randint_like", "bernoulli",
-              "multinomial", "poisson")
-)  # fmt: skip
+from zeroshard.init.writes import (  # noqa: F401  (re-exported: the names this module always had)
+    OVERWRITE_INITIALIZERS,
+    RANDOM_FACTORIES,
+    RANDOM_INITIALIZERS,
+)
 
 _MAX_LOGS = 16
 
 
 @dataclass
 class Draw:
-    """One recorded draw: ``func`` applied to a tensor of ``shape``/``dtype`` (in-place) or called as a factory."""
+    """One recorded write into a meta tensor, in the order the constructors made it.
+
+    ``func`` applied in place to a tensor of ``shape``/``dtype`` (``view`` is its size, stride and storage offset, for
+    writes into part of a tensor such as ``weight[pad].zero_()``), or called as a factory that created the tensor.
+    ``random`` writes consume random numbers; the others (``zeros_``, ``fill_``, ``torch.ones``, ``mul_(2)``) follow
+    from their arguments. ``func is None`` marks a write that cannot be replayed (it reads another tensor, e.g.
+    ``copy_(src)``): the tensor's value since then is unknown.
+    """
 
     seq: int
-    func: Callable
+    func: Callable | None
     shape: tuple[int, ...]
     dtype: torch.dtype
     args: tuple
     kwargs: dict
     factory: bool
     target: weakref.ref  # the meta tensor drawn into / created (dead once a tie or re-registration replaced it)
+    random: bool = True
+    view: tuple | None = None  # (size, stride, storage_offset) of the written tensor
+    key: int = 0  # storage_key of the written tensor when written (valid while that storage lives: see DrawLog.created)
 
     @torch.no_grad()
     def replay(self, device: torch.device, out: torch.Tensor | None = None) -> None:
-        """Repeats the draw on ``device`` (into ``out`` when given, else into a scratch tensor that is freed)."""
+        """Repeats the write on ``device`` (into ``out`` when given, else into a scratch tensor that is freed)."""
         if self.factory:
             kwargs = {**self.kwargs, "device": device}
             result = self.func(*self.args, **kwargs)
@@ -67,23 +67,94 @@ class Draw:
         t = out if out is not None else torch.empty(self.shape, dtype=self.dtype, device=device)
         self.func(t, *self.args, **self.kwargs)
 
+    def overwrites(self, tensor: torch.Tensor) -> bool:
+        """Whether this write sets every element of ``tensor`` (a meta tensor of the same storage) and reads none."""
+        if self.func is None:
+            return False
+        if not self.factory and self.func not in OVERWRITE_INITIALIZERS:
+            return False
+        return self.view == (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+    def replay_into(self, new: torch.Tensor, old: torch.Tensor, device: torch.device) -> None:
+        """Repeats the write into ``new``, the materialised replacement of meta tensor ``old`` (same storage)."""
+        size, stride, offset = self.view
+        if self.view == (tuple(old.shape), tuple(old.stride()), old.storage_offset()):
+            self.replay(device, out=new)
+            return
+        part = new.as_strided(size, stride, new.storage_offset() + offset - old.storage_offset())
+        self.replay(device, out=part)
+
+
+@dataclass
+class Registration:
+    """``parent.name = child`` (a submodule registered), in the constructors' order; ``replaced``: the name held
+    another module before (a wrapper such as peft's LoRA layer put over an existing layer)."""
+
+    seq: int
+    parent: weakref.ref
+    child: weakref.ref
+    replaced: bool
+
 
 @dataclass
 class DrawLog:
-    """The draws of one ``init_meta_context`` session, in order."""
+    """The writes and submodule registrations of one ``init_meta_context`` session, in order.
+
+    ``empty_init``: built under Lightning's ``init_module(empty_init=True)``, whose meaning is "skip the constructors'
+    initialisation" (Lightning's DDP skips ``torch.nn.init`` calls; its FSDP runs ``reset_parameters()`` at setup):
+    plain modules then get ``reset_parameters()`` at setup rather than a replay of their constructors.
+    """
 
     draws: list[Draw] = field(default_factory=list)
+    registrations: list[Registration] = field(default_factory=list)
+    empty_init: bool = False
+    seq: int = 0
+    # storage_key -> seq of the last meta storage created at that address: writes recorded before it went to a
+    # storage that has died since (addresses are reused), never to the live one
+    created: dict[int, int] = field(default_factory=dict)
 
-    def record_inplace(self, func: Callable, tensor: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    def _next(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def record_inplace(
+        self, func: Callable | None, tensor: torch.Tensor, args: tuple, kwargs: dict, *, random: bool = True
+    ) -> None:
+        view = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        ref = weakref.ref(tensor)
         self.draws.append(
-            Draw(len(self.draws), func, tuple(tensor.shape), tensor.dtype, args, kwargs, False, weakref.ref(tensor))
+            Draw(self._next(), func, view[0], tensor.dtype, args, kwargs, False, ref, random, view, storage_key(tensor))
         )
 
-    def record_factory(self, func: Callable, result: torch.Tensor, args: tuple, kwargs: dict) -> None:
+    def record_factory(self, func: Callable, result: torch.Tensor, args: tuple, kwargs: dict, *, random=True) -> None:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "out")}
-        self.draws.append(
-            Draw(len(self.draws), func, tuple(result.shape), result.dtype, args, kwargs, True, weakref.ref(result))
-        )
+        view = (tuple(result.shape), tuple(result.stride()), result.storage_offset())
+        key = storage_key(result)
+        self.created[key] = self._next()
+        ref = weakref.ref(result)
+        self.draws.append(Draw(self._next(), func, view[0], result.dtype, args, kwargs, True, ref, random, view, key))
+
+    def record_creation(self, tensor: torch.Tensor) -> None:
+        """A new meta storage (any operation's output that is not a view)."""
+        self.created[storage_key(tensor)] = self._next()
+
+    def writes_by_storage(self) -> dict[int, list[Draw]]:
+        """storage_key -> the recorded writes into the storage living there now, in order (none from a dead storage
+        that had the same address)."""
+        out: dict[int, list[Draw]] = {}
+        for d in self.draws:
+            if d.seq > self.created.get(d.key, 0):
+                out.setdefault(d.key, []).append(d)
+        return out
+
+    def record_registration(self, parent: nn.Module, name: str, child: nn.Module) -> None:
+        replaced = parent._modules.get(name) is not None and parent._modules.get(name) is not child
+        self.registrations.append(Registration(self._next(), weakref.ref(parent), weakref.ref(child), replaced))
+
+    def random_draws(self) -> DrawLog:
+        """This log with its random draws only (what the random stream depends on)."""
+        draws = [d for d in self.draws if d.random and d.func is not None]
+        return DrawLog(draws, self.registrations, self.empty_init, self.seq, self.created)
 
     def alive(self) -> bool:
         return any(d.target() is not None for d in self.draws)
@@ -92,10 +163,10 @@ class DrawLog:
 _LOGS: list[DrawLog] = []
 
 
-def new_log() -> DrawLog:
+def new_log(*, empty_init: bool = False) -> DrawLog:
     """A log for one meta-construction session, registered so materialisation can find it."""
     _LOGS[:] = [log for log in _LOGS if log.alive()][-(_MAX_LOGS - 1) :]
-    log = DrawLog()
+    log = DrawLog(empty_init=empty_init)
     _LOGS.append(log)
     return log
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zeroshard.init.ctor_draws import Draw, find_log, storage_key
-from zeroshard.init.hf_init import block_events, is_init_owner, post_order
+from zeroshard.init.hf_init import added_later, block_events, is_init_owner, post_order
 
 # Attribute set on a replaced meta tensor, pointing to its materialised replacement, so that module slots that still
 # hold the meta tensor (a tie whose other owner is materialised in a later call) get the same replacement.
@@ -49,10 +49,16 @@ class InitStep:
     always: bool = False  # run even without meta tensors of its own (an HF parent initialising its children)
     reset_first: bool = False  # HF steps: reset_parameters() first, for the tensors _init_weights leaves alone
     deferred: list[Draw] = field(default_factory=list)  # constructor draws whose values are kept (see module doc)
+    # replayed constructor writes: (write, the meta tensor it went to), in the constructors' order
+    recorded: list[tuple[Draw, torch.Tensor]] = field(default_factory=list)
 
     def run(self, module: nn.Module) -> None:
         if self.reset_first:
-            module.reset_parameters()
+            if self.recorded:  # only for the tensors no recorded write covers: off the random stream
+                with torch.random.fork_rng(devices=[]):
+                    module.reset_parameters()
+            else:
+                module.reset_parameters()
         if self.init is not None:
             self.init(module)
 
@@ -146,6 +152,10 @@ def materialize_module(
             init(module)
         for t, saved in keep.values():
             t.copy_(saved)
+    for container, name, old in to_allocate:
+        now = container.get(name)
+        if now is not None and now is not replaced[id(old)] and not now.is_meta:
+            replaced[id(old)] = now  # the initialiser assigned a new tensor (`self.cos = rope(...)`): it is the value
     for _, _, old in to_allocate:
         if not hasattr(old, REPLACEMENT_ATTR):
             new = replaced[id(old)]
@@ -189,29 +199,80 @@ def plan_init(root: nn.Module, param_init_fn: Callable[[nn.Module], None] | None
         return [InitStep(m, n or "<root>", "param_init_fn", param_init_fn) for n, m in root.named_modules()]
     with_meta = _meta_subtrees(root)
     log = find_log([t for m in root.modules() for _, _, t in own_tensor_slots(m)])
-    steps: Plan = []
+    replay = log is not None and not log.empty_init
+    later = added_later(root, log)
+    writes = log.writes_by_storage() if log is not None else {}
+    timeline: list[tuple[tuple, Draw | InitStep]] = []  # replay: (sort key, event), Hugging Face blocks by time
+    steps: Plan = []  # otherwise: the modules' order, reset_parameters() on the live random stream
+    tail: list[InitStep] = []  # replayed constructors, after every draw (their random states are saved on the way)
     seen: set[int] = set()
 
     def visit(m: nn.Module, name: str) -> None:
         if id(m) in seen:
             return
-        if is_init_owner(m):
-            for ev in block_events(m, post_order(m, name, seen), log):
-                if isinstance(ev, Draw):
-                    steps.append(ev)
-                else:
+        if is_init_owner(m) and id(m) not in later:
+            modules, left_out = post_order(m, name, seen, later)
+            events = block_events(m, modules, log.random_draws() if log is not None else None, later)
+            at = next((ev.seq for ev in events if isinstance(ev, Draw)), 0)
+            for i, ev in enumerate(events):
+                if not isinstance(ev, Draw):
                     label = f"{type(ev.owner).__name__}._init_weights"
                     init = functools.partial(_hf_init, ev.owner)
-                    steps.append(InitStep(ev.module, ev.name or "<root>", label, init, id(ev.module) in with_meta))
+                    ev = InitStep(ev.module, ev.name or "<root>", label, init, id(ev.module) in with_meta)
+                else:
+                    at = ev.seq
+                timeline.append(((at, isinstance(ev, InitStep), i), ev))
+                if not replay:
+                    steps.append(ev)
+            for sub, sub_name in left_out:
+                visit(sub, sub_name)
             return
         seen.add(id(m))
-        has_reset = callable(getattr(m, "reset_parameters", None))
-        steps.append(InitStep(m, name or "<root>", "reset_parameters()", _reset if has_reset else None))
+        if replay or id(m) in later:
+            tail.append(_recorded_step(m, name or "<root>", writes))
+        else:
+            has_reset = callable(getattr(m, "reset_parameters", None))
+            steps.append(InitStep(m, name or "<root>", "reset_parameters()", _reset if has_reset else None))
         for child_name, child in m.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)
 
     visit(root, "")
-    return steps
+    in_blocks = {id(ev) for _, ev in timeline if isinstance(ev, Draw)}
+    if replay:  # every random draw of the constructors, in order, so the stream reaches each replayed one
+        timeline += [
+            ((d.seq, 0, 0), d) for d in log.draws if d.random and d.func is not None and id(d) not in in_blocks
+        ]
+        timeline.sort(key=lambda item: item[0])
+        return [ev for _, ev in timeline] + tail
+    # reset_parameters() mode: modules added later replay their own constructors' draws, after everything else
+    replayed = sorted({id(d): d for step in tail for d, _ in step.recorded if d.random}.values(), key=lambda d: d.seq)
+    return steps + replayed + tail
+
+
+def _recorded_step(module: nn.Module, name: str, writes: dict[int, list[Draw]]) -> InitStep:
+    """A module initialised by replaying what its constructor (and code run on the meta model inside the meta
+    context) wrote into its own tensors: for each tensor, the last write that set it whole and every write after.
+    Tensors with no such write, or written since by something that cannot be replayed (a copy from another tensor),
+    fall back to ``reset_parameters()`` when the module has one (run off the random stream); otherwise the dry run
+    names them."""
+    step = InitStep(module, name, "its constructor (recorded)", None)
+    uncovered = False
+    done: set[int] = set()
+    for _, _, t in own_tensor_slots(module):
+        if not t.is_meta or id(t) in done:
+            continue
+        done.add(id(t))
+        events = writes.get(storage_key(t), [])
+        start = max((i for i, d in enumerate(events) if d.overwrites(t)), default=None)
+        if start is None or any(d.func is None for d in events[start:]):
+            uncovered = True
+            continue
+        step.recorded += [(d, t) for d in events[start:]]
+    step.recorded.sort(key=lambda item: item[0].seq)
+    if uncovered and callable(getattr(module, "reset_parameters", None)):
+        step.reset_first = True
+        step.label = "its constructor (recorded) and reset_parameters()"
+    return step
 
 
 # -- the dry run ------------------------------------------------------------------------------------------------------
@@ -322,8 +383,10 @@ def _dry_run(root: nn.Module, plan: Plan, tensors: _Tensors, unit_of, unit_sizes
                 for _, _, t in own_tensor_slots(step.module):  # and not called twice
                     if t.is_meta:
                         on_write(storage_key(t))
-            elif _would_run(step) and (step.init is not None or step.reset_first):
-                with _restoring_slots(step.module):
+            elif _would_run(step) and (step.init is not None or step.reset_first or step.recorded):
+                for _, t in step.recorded:
+                    on_write(storage_key(t))
+                with _restoring_slots(step.module, on_write):
                     step.run(step.module)
             if unit_of is not None:
                 u = unit_of.get(id(step.module))
@@ -333,14 +396,17 @@ def _dry_run(root: nn.Module, plan: Plan, tensors: _Tensors, unit_of, unit_sizes
 
 
 @contextlib.contextmanager
-def _restoring_slots(module: nn.Module) -> Iterator[None]:
-    """An initialiser that assigns new tensors (``self.w = nn.Parameter(...)``) must not change the meta model during
-    the dry run: the slots of ``module``'s subtree get their meta tensors back."""
+def _restoring_slots(module: nn.Module, on_write: Callable[[int], None]) -> Iterator[None]:
+    """An initialiser that assigns new tensors (``self.cos = rope(...)``, ``self.w = nn.Parameter(...)``) initialises
+    the slot (``on_write`` with the old tensor's storage key), but must not change the meta model during the dry run:
+    the slots of ``module``'s subtree get their meta tensors back."""
     saved = [(c, n, t) for m in module.modules() for c, n, t in own_tensor_slots(m)]
     try:
         yield
     finally:
         for c, n, t in saved:
+            if c.get(n) is not t:
+                on_write(storage_key(t))
             c[n] = t
 
 
@@ -394,9 +460,12 @@ def check_plan(
             listed.append(f"'{names.get(m, '?')}' ({type(m).__name__}) for {what}")
         problems.append(
             f"{len(listed)} modules built on the meta device have tensors that no initialiser writes: "
-            f"{'; '.join(sorted(listed))}. Add a reset_parameters() method that initialises the module's own "
-            "parameters and buffers (recurse=False), or pass param_init_fn=fn, called as fn(module) for every module "
-            "(ZeroStrategy(param_init_fn=...) or materialize_module_(..., param_init_fn=...))"
+            f"{'; '.join(sorted(listed))} (their values come from a computation or a copy the meta device cannot "
+            "replay, and no reset_parameters() recomputes them). Either add a reset_parameters() method that "
+            "initialises the module's own parameters and buffers (recurse=False), or pass param_init_fn=fn, called as "
+            "fn(module) for every module (ZeroStrategy(param_init_fn=...) or materialize_module_(..., "
+            "param_init_fn=...)), or build the model eagerly (outside the meta context: in the LightningModule's "
+            "__init__, or trainer.init_module(empty_init=False)) and let the strategy shard it"
         )
     if late:
         problems.append(
@@ -459,6 +528,7 @@ def run_plan(
     device = torch.device(device)
     holders = meta_holders(root)
     deferred = {id(d): d for s in plan if isinstance(s, InitStep) for d in s.deferred}
+    deferred.update({id(d): d for s in plan if isinstance(s, InitStep) for d, _ in s.recorded if d.random})
     states: dict[int, torch.Tensor] = {}
     for step in plan:
         if isinstance(step, Draw):
@@ -467,8 +537,10 @@ def run_plan(
             step.replay(device)
             continue
         module = step.module
+        allocated: dict[int, torch.Tensor] = {}
 
-        def before(replaced: dict[int, torch.Tensor], step: InitStep = step) -> None:
+        def before(replaced: dict[int, torch.Tensor], step: InitStep = step, allocated: dict = allocated) -> None:
+            allocated.update(replaced)
             for d in step.deferred:  # the constructor's draw, from the random state it had in the eager order
                 t = d.target()
                 new = replaced.get(id(t)) if t is not None else None
@@ -476,7 +548,19 @@ def run_plan(
                     with _rng_at(device, states.pop(id(d))):
                         d.replay(device, out=new)
 
-        runs = step.init is not None or step.reset_first
-        materialize_module(module, device, step.run if runs else None, holders, always=step.always, before=before)
+        def run(module: nn.Module, step: InitStep = step, allocated: dict = allocated) -> None:
+            step.run(module)
+            for d, old in step.recorded:  # the constructors' writes, from the random state each had
+                new = allocated.get(id(old))
+                if new is None:  # tied with a module materialised before: initialised there
+                    continue
+                if d.random:
+                    with _rng_at(device, states.pop(id(d))):
+                        d.replay_into(new, old, device)
+                else:
+                    d.replay_into(new, old, device)
+
+        runs = step.init is not None or step.reset_first or bool(step.recorded)
+        materialize_module(module, device, run if runs else None, holders, always=step.always, before=before)
         if on_module is not None:
             on_module(module)
