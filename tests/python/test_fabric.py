@@ -21,7 +21,6 @@ from tiny_lm import TinyLM
 
 import zeroshard
 from zeroshard.consolidate import iter_parameters
-from zeroshard.meta_init import init_meta_context
 
 SCRIPT = Path(__file__).parent / "scripts" / "fabric_runs.py"
 RTOL, ATOL = 1e-5, 1e-6
@@ -158,13 +157,6 @@ def test_names_are_registered_for_fabric():
 def test_unsupported_fabric_precision_fails_when_fabric_is_built():
     with pytest.raises(ValueError, match=r"HalfPrecision \(precision='bf16-true'\).*'bf16-mixed'"):
         L.Fabric(accelerator="cpu", devices=2, strategy="zeroshard_stage_2", precision="bf16-true")
-
-
-def test_meta_model_set_up_without_its_optimizer_is_refused():
-    with init_meta_context():
-        model = torch.nn.Linear(4, 4)
-    with pytest.raises(RuntimeError, match=r"fabric.setup\(model, optimizer\)"):
-        zeroshard.ZeroFabricStrategy(stage=3).setup_module(model)
 
 
 def test_trainer_init_module_gives_no_warning_and_builds_as_asked():

@@ -9,11 +9,15 @@ rotary cache), peft LoRA injected into a Hugging Face model after its ``post_ini
 
 from __future__ import annotations
 
+import json
 import math
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
+from init_styles import Rope, TimmStyle, TimmStyleComputed, VisionNet
+from launch import run_ranks
 from torch import nn
 
 from zeroshard.meta_init import check_no_meta, init_meta_context, materialize_module_
@@ -69,32 +73,6 @@ def _check(build, seed: int = 0) -> None:
 # -- torchvision style: the constructor initialises in a loop over self.modules() ------------------------------------
 
 
-class VisionNet(nn.Module):
-    """As torchvision's ResNet / VGG constructors do: build, then loop over ``self.modules()`` with ``nn.init``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.GroupNorm(2, 8)
-        )
-        self.fc = nn.Linear(8, 10)
-        self.embed = nn.Embedding(12, 8, padding_idx=0)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                if m.bias is not None:
-                    nn.init.constant_(m.bias, 0)
-            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.constant_(m.bias, 0.5)
-        with torch.no_grad():
-            self.embed.weight.mul_(0.5)  # an in-place edit after the init, replayed too
-            self.embed.weight[0].zero_()  # a write into part of a tensor
-
-
 def test_torchvision_style_constructor_loop_equals_eager():
     _check(VisionNet, seed=3)
 
@@ -102,109 +80,30 @@ def test_torchvision_style_constructor_loop_equals_eager():
 # -- timm style: named_apply(init_weights) from the constructor ------------------------------------------------------
 
 
-def named_apply(fn, module: nn.Module, name: str = "", depth_first: bool = True) -> nn.Module:
-    """timm.models._manipulate.named_apply, written again here (timm needs torchvision)."""
-    if not depth_first:
-        fn(module=module, name=name)
-    for child_name, child in module.named_children():
-        named_apply(fn, child, ".".join((name, child_name)) if name else child_name, depth_first)
-    if depth_first:
-        fn(module=module, name=name)
-    return module
-
-
-def init_weights_vit(module: nn.Module, name: str = "", head_bias: float = 0.0) -> None:
-    """timm's ``init_weights_vit_jax``-like rule: trunc-normal Linear, zero head, a learned token."""
-    if isinstance(module, nn.Linear):
-        if name.startswith("head"):
-            nn.init.zeros_(module.weight)
-            nn.init.constant_(module.bias, head_bias)
-        else:
-            nn.init.trunc_normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.normal_(module.bias, std=1e-6)
-    elif hasattr(module, "init_weights"):
-        module.init_weights()
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-        self.gamma = nn.Parameter(1e-5 * torch.ones(d))  # layer scale: a value computed from a factory
-
-
-class TimmStyle(nn.Module):
-    def __init__(self, d: int = 16, depth: int = 2) -> None:
-        super().__init__()
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
-        self.pos_embed = nn.Parameter(torch.randn(1, 5, d) * 0.02)
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(depth)])
-        self.head = nn.Linear(d, 4)
-        nn.init.normal_(self.cls_token, std=1e-6)
-        named_apply(partial(init_weights_vit, head_bias=-math.log(4)), self)
-
-
 def test_timm_style_named_apply_init_equals_eager():
     with init_meta_context():
-        model = TimmStyle()
+        model = TimmStyleComputed()
     # Block.gamma (1e-5 * ones) and pos_embed (randn * 0.02) are computed: no initialiser of theirs can be replayed
     with pytest.raises(RuntimeError) as err:
         materialize_module_(model, "cpu")
     msg = str(err.value)
-    assert "'<root>' (TimmStyle) for pos_embed" in msg and "'blocks.0' (Block) for blocks.0.gamma" in msg
+    assert "'<root>' (TimmStyleComputed) for pos_embed" in msg and "'blocks.0' (Block) for blocks.0.gamma" in msg
     assert "param_init_fn" in msg and "eagerly" in msg
     assert all(t.is_meta for t in model.parameters())  # nothing allocated
 
 
-class TimmStyleReset(TimmStyle):
-    """The same with the computed tensors initialised in place (how timm itself writes them: ``trunc_normal_``)."""
-
-    def __init__(self) -> None:
-        nn.Module.__init__(self)
-        d = 16
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
-        self.pos_embed = nn.Parameter(torch.zeros(1, 5, d))
-        self.blocks = nn.Sequential(*[Block(d) for _ in range(2)])
-        for b in self.blocks:
-            b.gamma = nn.Parameter(torch.full((d,), 1e-5))
-        self.head = nn.Linear(d, 4)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=1e-6)
-        named_apply(partial(init_weights_vit, head_bias=-math.log(4)), self)
-
-
 def test_timm_style_with_in_place_inits_equals_eager():
-    _check(TimmStyleReset, seed=5)
+    _check(TimmStyle, seed=5)
 
 
 # -- a buffer assigned in reset_parameters (LitGPT's rotary cache) ---------------------------------------------------
-
-
-class Rope(nn.Module):
-    def __init__(self, n: int = 8, d: int = 4) -> None:
-        super().__init__()
-        self.n, self.d = n, d
-        self.proj = nn.Linear(d, d)
-        cos, sin = self.cache()
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def cache(self, device=None):
-        theta = 1.0 / (10000 ** (torch.arange(0, self.d, 2, device=device).float() / self.d))
-        idx = torch.outer(torch.arange(self.n, device=device).float(), theta)
-        return torch.cos(idx), torch.sin(idx)
-
-    def reset_parameters(self) -> None:
-        self.cos, self.sin = self.cache(device=self.cos.device)  # assigned, not written in place
 
 
 @pytest.mark.parametrize("empty_init", [False, True])
 def test_buffer_assigned_in_reset_parameters_survives(empty_init):
     model, ref = _meta_and_eager(Rope, seed=2, empty_init=empty_init)
     equal, total, differ = _equal_count(model, ref)
-    assert not differ and total == 4, differ
+    assert not differ and total == 6, differ
     assert not model.cos.is_meta and torch.equal(model.sin, ref.sin)
 
 
@@ -280,3 +179,91 @@ def test_peft_lora_built_on_meta_equals_eager(kind):
     a = [p for n, p in model.named_parameters() if "lora_A" in n]
     assert len(b) == 6 and all(torch.count_nonzero(p) == 0 for p in b)
     assert all(p.abs().max() > 0.1 for p in a)  # kaiming-uniform(a=sqrt 5) on fan_in 32/64: bound 0.18/0.125
+
+
+# -- 2 gloo ranks: built on meta, set up in LitGPT's order, trained against DDP's eager build ------------------------
+
+SCRIPT = Path(__file__).parent / "scripts" / "init_models_runs.py"
+ZERO = {"strategy": "zeroshard"}
+# (reference, zeroshard runs): DDP builds eagerly (LitGPT's flow: Lightning's empty init, then its initialize_weights)
+RUNS = {
+    "litgpt": [
+        {"name": "ddp_litgpt", "strategy": "ddp", "model": "litgpt", "build": "empty_init"},
+        {"name": "litgpt_stage2", **ZERO, "stage": 2, "model": "litgpt", "build": "empty_init"},
+        {"name": "litgpt_stage3", **ZERO, "stage": 3, "model": "litgpt", "build": "empty_init"},
+        # weight decay on matrices only: the groups split every unit, so the set-up model is re-sharded by them
+        {"name": "ddp_litgpt_groups", "strategy": "ddp", "model": "litgpt", "build": "empty_init", "groups": True},
+        {"name": "litgpt_stage3_groups", **ZERO, "model": "litgpt", "build": "empty_init", "groups": True},
+    ],
+    "lora_qwen2": [
+        {"name": "ddp_lora_qwen2", "strategy": "ddp", "model": "lora_qwen2"},
+        {"name": "lora_qwen2_stage3", **ZERO, "model": "lora_qwen2", "build": "meta"},
+    ],
+    "lora_llama": [
+        {"name": "ddp_lora_llama", "strategy": "ddp", "model": "lora_llama"},
+        {"name": "lora_llama_stage3", **ZERO, "model": "lora_llama", "build": "meta", "setup": "joint"},
+    ],
+    "vision": [
+        {"name": "ddp_vision", "strategy": "ddp", "model": "vision"},
+        {"name": "vision_stage3", **ZERO, "model": "vision", "build": "meta"},
+    ],
+    "timm": [
+        {"name": "ddp_timm", "strategy": "ddp", "model": "timm"},
+        {"name": "timm_stage3", **ZERO, "model": "timm", "build": "meta", "setup": "joint", "gathered": True},
+    ],
+    "rope": [
+        {"name": "ddp_rope", "strategy": "ddp", "model": "rope"},
+        {"name": "rope_stage3", **ZERO, "model": "rope", "build": "empty_init"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    pytest.importorskip("litgpt")
+    out = tmp_path_factory.mktemp("init_models")
+    run_ranks(SCRIPT, [str(out), json.dumps([run for runs in RUNS.values() for run in runs])])
+    return out
+
+
+def _assert_same_as_ddp(out: Path, ref: str, name: str) -> None:
+    """Initial tensors bit for bit, losses within 1e-5 relative on both ranks, final tensors within 1e-5."""
+    a, b = torch.load(out / f"{ref}_init.pt"), torch.load(out / f"{name}_init.pt")
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    differ = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+    assert not differ, (
+        f"{name}: {len(a) - len(differ)}/{len(a)} initial tensors equal the eager build; differ: {differ}"
+    )
+    for rank in range(2):
+        la = json.loads((out / f"{ref}_rank{rank}.json").read_text())["losses"]
+        lb = json.loads((out / f"{name}_rank{rank}.json").read_text())["losses"]
+        assert len(la) == len(lb) == 5 and all(math.isfinite(x) for x in la)
+        torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=0, msg=f"{name} rank {rank}")
+    fa, fb = torch.load(out / f"{ref}.pt"), torch.load(out / f"{name}.pt")
+    for k in fa:
+        torch.testing.assert_close(fb[k], fa[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+    assert any(not torch.equal(fa[k], a[k]) for k in fa), f"{ref}: nothing trained"
+
+
+def test_litgpt_own_loop_at_stages_2_and_3_equals_ddp(ranks):
+    """LitGPT's ``GPT`` built under ``fabric.init_module(empty_init=True)``, initialised by LitGPT's own
+    ``pretrain.initialize_weights`` (which overrides ``reset_parameters`` on the meta model), then
+    ``fabric.setup(model)``, the optimizer over the set-up model's parameters and ``fabric.setup_optimizers``."""
+    _assert_same_as_ddp(ranks, "ddp_litgpt", "litgpt_stage2")
+    _assert_same_as_ddp(ranks, "ddp_litgpt", "litgpt_stage3")
+    _assert_same_as_ddp(ranks, "ddp_litgpt_groups", "litgpt_stage3_groups")
+
+
+@pytest.mark.parametrize("kind", ["lora_qwen2", "lora_llama"])
+def test_peft_lora_built_on_meta_at_stage_3_equals_ddp(ranks, kind):
+    """``get_peft_model`` under ``init_meta_context()``: adapters start as peft makes them (B zero, A kaiming)."""
+    _assert_same_as_ddp(ranks, f"ddp_{kind}", f"{kind}_stage3")
+    init = torch.load(ranks / f"{kind}_stage3_init.pt")
+    assert all(torch.count_nonzero(v) == 0 for k, v in init.items() if "lora_B" in k)
+
+
+@pytest.mark.parametrize("kind", ["vision", "timm", "rope"])
+def test_constructor_styles_on_meta_at_stage_3_equal_ddp(ranks, kind):
+    """torchvision's init loop, timm's ``named_apply`` (with ``gathered_parameters`` between forward and backward),
+    and a rotary cache assigned in ``reset_parameters`` (``fabric.init_module(empty_init=True)``)."""
+    _assert_same_as_ddp(ranks, f"ddp_{kind}", f"{kind}_stage3")

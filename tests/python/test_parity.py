@@ -134,8 +134,12 @@ def test_meta_init_materialises_the_same_model(tmp_path):
         {"name": "meta_stage2", "strategy": "zeroshard", "stage": 2, "meta": True},
         {"name": "stage3_recompute", "strategy": "zeroshard", "stage": 3, "checkpointing": True},
         {"name": "stage3_persistent", "strategy": "zeroshard", "stage": 3, "persist": True},
+        # zeroshard.gathered_parameters(self) inside training_step, after the forward (issue 16): the root unit the
+        # step keeps gathered for backward stays gathered
+        {"name": "stage3_gathered_in_step", "strategy": "zeroshard", "stage": 3, "gathered": True},
     ]
     _run(tmp_path, runs)
+    _assert_same_run(tmp_path, "ddp", "stage3_gathered_in_step", 20)
     _assert_same_run(tmp_path, "ddp", "stage3_persistent", 20)  # small units kept gathered, refreshed after steps
     _assert_same_run(tmp_path, "ddp", "stage3_recompute", 20)  # activation checkpointing of the stage-3 units
     _assert_same_run(tmp_path, "ddp", "meta_stage3", 20)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import zeroshard
+
 VOCAB, DIM, SEQ = 64, 32, 16
 
 
@@ -36,6 +38,7 @@ class TinyLM(L.LightningModule):
         record: list | None = None,
         unused: bool = False,
         odd: bool = False,
+        gathered_in_step: bool = False,
     ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
@@ -48,6 +51,7 @@ class TinyLM(L.LightningModule):
         self.sometimes = nn.Linear(DIM, DIM) if unused else None
         self.odd_gain = nn.Parameter(torch.ones(3)) if odd else None
         self._calls = 0
+        self.gathered_in_step = gathered_in_step
         self.optimizer_name = optimizer
         self.lr = lr
         self.losses: list[float] = [] if record is None else record
@@ -72,6 +76,10 @@ class TinyLM(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
+        if self.gathered_in_step:  # every parameter whole between forward and backward, then back as it was
+            with zeroshard.gathered_parameters(self):
+                assert all(p.numel() > 0 for p in self.parameters())
+                self.weight_sum = float(sum(p.detach().double().sum() for p in self.parameters()))
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         self.losses.append(loss.item())
         return loss

@@ -131,12 +131,7 @@ class ZeroEngine:
             torch.set_num_threads(self.cpu_threads)
 
         self.optim = OptimizerSet(optimizer if isinstance(optimizer, Optimizer) else list(optimizer))
-        if config.overlap_step and len(self.optim.optimizers) > 1:
-            raise ValueError(
-                "ZeroStrategy(overlap_step=True) steps buckets during backward, which needs one optimizer; got "
-                f"{len(self.optim.optimizers)} (a loop that steps only some of them, like a GAN's, cannot know "
-                "during backward which will step). Drop overlap_step, or use one optimizer with several param groups."
-            )
+        _check_overlap(config, self.optim)
         self.original_groups = self.optim.original_groups()  # every optimizer's groups, numbered in one sequence
         self.sharded: ShardedUnits | None = None
         if config.stage == 3:
@@ -361,6 +356,41 @@ class ZeroEngine:
             else:
                 master.grad.add_(grad)
 
+    def adopt_optimizers(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Takes ``optimizers`` in place of the :class:`~zeroshard.optim.sharded_optimizer.PendingOptimizer` this
+        engine was built with: a model set up before its optimizer existed (Fabric's ``setup_module`` then
+        ``setup_optimizers``, LitGPT's order). Their parameters may be the module's placeholders (stage 3).
+
+        Returns ``False``, changing nothing, when their param groups do not fit the flat parameters already built
+        (each flat parameter's parameters in one group, every trainable parameter of the groups in a flat parameter):
+        the caller then builds a new engine. Flat parameters never mix param groups, so no cheaper regrouping exists.
+
+        Raises:
+            ValueError: for several optimizers with ``overlap_step`` (as at construction), or a parameter in two.
+        """
+        new = OptimizerSet(list(optimizers))
+        groups = [[real_parameter(p) for p in group] for group in new.original_groups()]
+        group_of = {id(p): gi for gi, group in enumerate(groups) for p in group}
+        group_of_flat = []
+        for fp in self.flat_params:
+            found = {group_of.get(id(p)) for p in fp.params}
+            if len(found) != 1 or None in found:
+                return False
+            group_of_flat.append(found.pop())
+        held = {id(p) for fp in self.flat_params for p in fp.params}
+        if any(p.requires_grad and id(p) not in held for group in groups for p in group):
+            return False
+        _check_overlap(self.config, new)
+        for opt in new.optimizers:  # rewire() writes the master shards into the groups
+            for group in opt.param_groups:
+                group["params"] = [real_parameter(p) for p in group["params"]]
+        self.optim, self.original_groups = new, groups
+        new.rewire(self.flat_params, group_of_flat)
+        if self.offload is not None:
+            new.offload_adam(OffloadedAdam, offload=self.offload)
+        self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
+        return True
+
     @property
     def optimizers(self) -> list[Optimizer]:
         """The optimizers to step, in the order given at construction."""
@@ -473,21 +503,29 @@ class ZeroEngine:
     @contextmanager
     def gathered(self, writeback: bool = True) -> Iterator[None]:
         """Every parameter whole on this rank for the duration (stage 3 gathers all units; collective). With
-        ``writeback``, what this rank wrote into them goes back into its shards (and fp32 masters) on exit."""
-        if self.sharded is None:
+        ``writeback``, what this rank wrote into them goes back into its shards (and fp32 masters) on exit.
+
+        On exit only the units this call gathered are freed: inside a training step the root unit (and any unit a
+        forward left gathered for its backward) stays as the step needs it; nested calls keep the outer one's."""
+        sharded = self.sharded
+        if sharded is None:
             yield
             return
-        self.sharded.release_accessed()
-        self.sharded.unshard_all()
+        sharded.release_accessed()
+        before = [unit.is_gathered or unit.pending is not None for unit in sharded.units]
+        pinned = sharded.pinned
+        sharded.unshard_all()
         if writeback:
-            for unit in self.sharded.units:
-                self.sharded.may_write(unit)
-        self.sharded.pinned = True
+            for unit in sharded.units:
+                sharded.may_write(unit)
+        sharded.pinned = True
         try:
             yield
         finally:
-            self.sharded.pinned = False
-            self.sharded.reshard_all()
+            sharded.pinned = pinned
+            for i, was_gathered in enumerate(before):
+                if not was_gathered:
+                    sharded.reshard(i)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -625,6 +663,15 @@ class ZeroEngine:
                 if torch.is_tensor(v):
                     out["optimizer_state"] += v.numel() * v.element_size()
         return out
+
+
+def _check_overlap(config: ZeroConfig, optim: OptimizerSet) -> None:
+    if config.overlap_step and len(optim.optimizers) > 1:
+        raise ValueError(
+            "ZeroStrategy(overlap_step=True) steps buckets during backward, which needs one optimizer; got "
+            f"{len(optim.optimizers)} (a loop that steps only some of them, like a GAN's, cannot know "
+            "during backward which will step). Drop overlap_step, or use one optimizer with several param groups."
+        )
 
 
 def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:

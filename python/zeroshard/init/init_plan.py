@@ -228,10 +228,12 @@ def plan_init(root: nn.Module, param_init_fn: Callable[[nn.Module], None] | None
                 visit(sub, sub_name)
             return
         seen.add(id(m))
-        if replay or id(m) in later:
+        has_reset = callable(getattr(m, "reset_parameters", None))
+        # empty_init: reset_parameters() where there is one (Lightning's meaning, and what FSDP runs at setup); a module
+        # without one keeps what its constructor wrote (`nn.Parameter(torch.ones(d))`), as under DDP's empty init
+        if replay or id(m) in later or (log is not None and not has_reset):
             tail.append(_recorded_step(m, name or "<root>", writes))
         else:
-            has_reset = callable(getattr(m, "reset_parameters", None))
             steps.append(InitStep(m, name or "<root>", "reset_parameters()", _reset if has_reset else None))
         for child_name, child in m.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name)

@@ -56,6 +56,8 @@ def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optim
 
     cls = cls or CPUAdam
 
+    if isinstance(optimizer, PendingOptimizer):  # replaced by the real one, converted then
+        return optimizer
     if type(optimizer) is torch.optim.AdamW:
         adamw_mode = True
     elif type(optimizer) is torch.optim.Adam:
@@ -182,6 +184,23 @@ class OptimizerSet:
     def param_groups(self) -> list[dict]:
         """Every optimizer's param group dicts (live), in the global group order."""
         return [group for opt in self.optimizers for group in opt.param_groups]
+
+
+class PendingOptimizer(Optimizer):
+    """Stands in for the optimizer of a model set up alone, before its optimizer exists (``fabric.setup(model)`` then
+    ``fabric.setup_optimizers(opt)``, as LitGPT does): one param group over every parameter, so the engine can
+    materialise and shard the model; replaced when the real optimizer is set up
+    (:meth:`~zeroshard.engine.engine.ZeroEngine.adopt_optimizers`). It holds no state and cannot step.
+    """
+
+    def __init__(self, params) -> None:
+        super().__init__(list(params), {"lr": 0.0})
+
+    def step(self, closure=None):
+        raise RuntimeError(
+            "this model was set up without an optimizer: create one over the set-up model's parameters and pass it to "
+            "fabric.setup_optimizers(optimizer), then step the optimizer that call returns"
+        )
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

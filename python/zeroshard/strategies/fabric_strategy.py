@@ -40,13 +40,16 @@ from lightning.fabric.plugins.precision import MixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from zeroshard.checkpoint.sharded_checkpoint import is_sharded_checkpoint, load_sharded, save_sharded
 from zeroshard.engine.engine import ZeroEngine, master_gradients
-from zeroshard.meta_init import has_meta
+from zeroshard.meta_init import has_meta, materialize_module_
+from zeroshard.optim.sharded_optimizer import PendingOptimizer
+from zeroshard.sharding.sharded_param import real_parameter
 from zeroshard.strategies.fabric_precision import ZeroFabricPrecision
 from zeroshard.strategies.process_group import init_and_destroy_at_exit
 from zeroshard.strategies.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
@@ -70,9 +73,10 @@ class ZeroFabricStrategy(DDPStrategy):
             ``offload_params``, ``wrap_policy``, ``activation_checkpointing``, ``state_dict_type``, ...), with the same
             DeepSpeed/FSDP aliases (:mod:`zeroshard.strategies.strategy_settings`).
 
-    Set up the model with its optimizers together (``fabric.setup(model, opt1, opt2, ...)``, required for a model built
-    on the meta device), or a model alone and then one optimizer (``fabric.setup_module`` then
-    ``fabric.setup_optimizers``). ``fabric.setup(model)`` with no optimizer replicates the model (inference).
+    Set up the model with its optimizers together (``fabric.setup(model, opt1, opt2, ...)``), or a model alone and then
+    one optimizer created over its parameters (``fabric.setup(model)`` then ``fabric.setup_optimizers(opt)``, LitGPT's
+    order; a meta-device model is materialised in the first call). ``fabric.setup(model)`` with no optimizer replicates
+    an eagerly built model (inference); a meta-device one is materialised and, at stage 3, sharded.
 
     With ``bf16-mixed``/``16-mixed`` the set-up module's parameters are in the compute dtype (the fp32 master weights
     are the optimizer's); ``fabric.save`` writes the fp32 masters.
@@ -147,23 +151,31 @@ class ZeroFabricStrategy(DDPStrategy):
         return module, list(engine.optimizers), scheduler
 
     def setup_module(self, module: Module) -> Module:
-        """Keeps ``module`` (rank 0's values everywhere) until its optimizer is set up; alone, it stays replicated.
+        """Sets ``module`` up before its optimizer exists; the optimizer, created over the returned module's
+        parameters, is then set up with ``fabric.setup_optimizers`` (LitGPT's order).
 
-        Raises:
-            RuntimeError: for a model on the meta device (its optimizer must come with it, so the engine can shard
-                both: ``fabric.setup(model, optimizer)``).
+        A model built eagerly keeps rank 0's values everywhere and is sharded when its optimizer is set up; alone it
+        stays replicated. A model on the meta device (``fabric.init_module(empty_init=True)``) is materialised here:
+        at stages 1-2 whole on every rank, at stage 3 unit by unit into this rank's shards, so no rank ever holds it
+        whole (the engine is built with a :class:`~zeroshard.optim.sharded_optimizer.PendingOptimizer` and takes the
+        real optimizer in its place, :meth:`~zeroshard.engine.engine.ZeroEngine.adopt_optimizers`).
         """
-        if has_meta(module):
-            raise RuntimeError(
-                "ZeroFabricStrategy shards a meta-device model together with its optimizers: create the optimizer "
-                "over the meta model's parameters and call `model, optimizer = fabric.setup(model, optimizer)`."
-            )
-        broadcast_module_states(module)
+        if has_meta(module) and self._core.config.stage == 3:
+            self._build_engine(module, [PendingOptimizer(module.parameters())])
+        elif has_meta(module):
+            materialize_module_(module, self.root_device, param_init_fn=self._core.config.param_init_fn)
+            broadcast_module_states(module)
+        else:
+            broadcast_module_states(module)
         self._module = module
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Shards the module set up with ``fabric.setup_module`` and this optimizer; returns the optimizer to step.
+
+        At stage 3 with a model that was on the meta device, the optimizer takes the place of the pending one; if its
+        param groups split the flat parameters already built (e.g. weight decay on some parameters of a unit), the
+        model is gathered whole once and re-sharded by those groups, with a warning.
 
         Raises:
             RuntimeError: if no module was set up first, or an optimizer already was (several optimizers are set up
@@ -173,7 +185,18 @@ class ZeroFabricStrategy(DDPStrategy):
             raise RuntimeError(
                 "set up the model first (`fabric.setup_module(model)`), or both: fabric.setup(model, opt)"
             )
-        if self.engine is not None:
+        engine = self.engine
+        if engine is not None and any(isinstance(o, PendingOptimizer) for o in engine.optimizers):
+            if engine.adopt_optimizers([optimizer]):
+                return engine.optimizers[0]
+            rank_zero_warn(
+                f"{type(optimizer).__name__}'s param groups split the flat parameters ZeroFabricStrategy built in "
+                "fabric.setup(model): the model is gathered whole once and re-sharded by them. To skip this, set the "
+                "model and optimizer up together: `model, optimizer = fabric.setup(model, optimizer)`."
+            )
+            for group in optimizer.param_groups:
+                group["params"] = [real_parameter(p) for p in group["params"]]
+        elif engine is not None:
             raise RuntimeError(
                 "ZeroFabricStrategy builds one engine over the model and all its optimizers: set several optimizers up "
                 "together with the model, `model, opt1, opt2 = fabric.setup(model, opt1, opt2)`."
@@ -216,7 +239,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()
-        stack.enter_context(self._core.meta_init_context())
+        stack.enter_context(self._core.meta_init_context(empty_init=True))
         stack.enter_context(self.precision.module_init_context())
         return stack
 

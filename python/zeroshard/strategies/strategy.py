@@ -315,7 +315,9 @@ class ZeroStrategy(DDPStrategy):
 
     def tensor_init_context(self, empty_init: bool | None = _FROM_CONFIGURE_MODEL):
         """Builds on the meta device with ``trainer.init_module(empty_init=True)``, and for ``configure_model`` at
-        stage 3 (each rank then allocates only its shards); otherwise Lightning's default.
+        stage 3 (each rank then allocates only its shards); otherwise Lightning's default. Under ``configure_model``
+        the values equal the eager build's; under ``empty_init=True`` modules get their ``reset_parameters()`` at setup
+        (Lightning's meaning of empty init, FSDP's behaviour), see :meth:`StrategyCore.meta_init_context`.
 
         This replaces a ``model_sharded_context`` override: Lightning warns in ``trainer.init_module`` for any strategy
         that has one ("cannot fully support proper instantiation"), while ``init_module(empty_init=True)`` is fully
@@ -326,7 +328,7 @@ class ZeroStrategy(DDPStrategy):
                 return self._core.meta_init_context()
             empty_init = None
         if empty_init:
-            return self._core.meta_init_context()
+            return self._core.meta_init_context(empty_init=True)
         return super().tensor_init_context(empty_init)
 
     @property

@@ -133,9 +133,13 @@ class StrategyCore:
         finally:
             self.engine.require_grad_sync = True
 
-    def meta_init_context(self):
-        """Builds modules on the meta device; the engine allocates and initialises them, each rank its shards."""
-        return init_meta_context()
+    def meta_init_context(self, empty_init: bool = False):
+        """Builds modules on the meta device; the engine allocates and initialises them, each rank its shards.
+
+        ``empty_init=True`` (``init_module(empty_init=True)``): modules with a ``reset_parameters()`` get it at setup,
+        as FSDP does and as LitGPT's ``initialize_weights`` expects (it overrides those methods after the build);
+        otherwise (``configure_model``) the values equal the eager build's (:mod:`zeroshard.meta_init`)."""
+        return init_meta_context(empty_init=empty_init)
 
     @torch.no_grad()
     def restore_full_precision(self) -> None:

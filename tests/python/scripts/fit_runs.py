@@ -14,7 +14,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), and optional 
 ``sharded`` (sharded checkpoints), ``shard_group_size`` (hybrid sharding), ``mesh`` ([replicate, shard]: hybrid
 sharding through a DeviceMesh built here, after an earlier run initialised the process group), ``odd`` (a 3-element
 parameter, so the parameter count divides by neither 3 nor 4), ``samples`` (dataset size, default 256),
-``plan_options`` (with ``stage: "auto"``). Stage 3 units are Blocks. The world size is the launcher's
+``plan_options`` (with ``stage: "auto"``), ``gathered`` (``zeroshard.gathered_parameters`` inside
+``training_step``, after the forward). Stage 3 units are Blocks. The world size is the launcher's
 (``WORLD_SIZE``, default 2).
 Writes ``{name}_rank{r}.json`` (losses, and ``comm`` = ``engine.comm_stats()`` for zeroshard runs) and, on rank 0,
 ``{name}.pt`` (final parameters).
@@ -89,7 +90,10 @@ def main() -> None:
         # meta: built on the meta device through Lightning's own hook; the strategy materialises it (same seed)
         with trainer.init_module(empty_init=run.get("meta", False)):
             model = TinyLM(
-                optimizer=run.get("optimizer", "adamw"), unused=run.get("unused", False), odd=run.get("odd", False)
+                optimizer=run.get("optimizer", "adamw"),
+                unused=run.get("unused", False),
+                odd=run.get("odd", False),
+                gathered_in_step=run.get("gathered", False),
             )
         assert all(p.is_meta for p in model.parameters()) == bool(run.get("meta")), "init_module did not build on meta"
         val_loader = (
