@@ -21,7 +21,7 @@ $(VENV)/.stamp: pyproject.toml
 	# LitGPT (a test and example dependency): its pins (transformers<4.57, huggingface-hub<1.4) conflict with
 	# transformers 5.x, so it goes in without its dependencies, plus the one it imports that is not here already
 	$(PIP) install -q --no-deps "litgpt==0.5.13"
-	$(PIP) install -q "jsonargparse[signatures]>=4.37,<=4.41"
+	$(PIP) install -q "jsonargparse[signatures]>=4.37,<=4.41" requests
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
 	touch $@
 
