@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from zeroshard.init.ctor_draws import Draw, find_log, storage_key
 from zeroshard.init.hf_init import added_later, block_events, is_init_owner, post_order
+from zeroshard.init.writes import DATA_SET, write_target
 
 # Attribute set on a replaced meta tensor, pointing to its materialised replacement, so that module slots that still
 # hold the meta tensor (a tie whose other owner is materialised in a later call) get the same replacement.
@@ -279,31 +280,6 @@ def _recorded_step(module: nn.Module, name: str, writes: dict[int, list[Draw]]) 
 
 # -- the dry run ------------------------------------------------------------------------------------------------------
 
-_NN_INIT = frozenset(
-    getattr(nn.init, n)
-    for n in ("normal_", "uniform_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-              "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
-    if hasattr(nn.init, n)
-)  # fmt: skip
-_NOT_WRITES = frozenset(("requires_grad_", "share_memory_", "retain_grad", "resize_", "record_stream"))
-_DATA_SET = torch._C.TensorBase.data.__set__
-
-
-def _write_target(func, args, kwargs) -> torch.Tensor | None:
-    """The tensor ``func(*args, **kwargs)`` writes into, if any (in-place methods, ``nn.init``, ``out=``)."""
-    if func in _NN_INIT:
-        t = args[0] if args else kwargs.get("tensor")
-        return t if isinstance(t, torch.Tensor) else None
-    name = getattr(func, "__name__", "")
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if first is not None:
-        if name == "__setitem__" or func == _DATA_SET:
-            return first
-        if name.endswith("_") and not name.endswith("__") and name not in _NOT_WRITES:
-            return first
-    out = kwargs.get("out")
-    return out if isinstance(out, torch.Tensor) else None
-
 
 class _WriteTracker(TorchFunctionMode):
     """Records writes into meta tensors and skips them (nothing to compute on meta); everything else runs."""
@@ -314,10 +290,10 @@ class _WriteTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = _write_target(func, args, kwargs)
+        target = write_target(func, args, kwargs)
         if target is not None and target.is_meta:
             self.on_write(storage_key(target))
-            return None if func == _DATA_SET or getattr(func, "__name__", "") == "__setitem__" else target
+            return None if func == DATA_SET or getattr(func, "__name__", "") == "__setitem__" else target
         return func(*args, **kwargs)
 
 
