@@ -194,6 +194,8 @@ RUNS = {
         # weight decay on matrices only: the groups split every unit, so the set-up model is re-sharded by them
         {"name": "ddp_litgpt_groups", "strategy": "ddp", "model": "litgpt", "build": "empty_init", "groups": True},
         {"name": "litgpt_stage3_groups", **ZERO, "model": "litgpt", "build": "empty_init", "groups": True},
+        # the optimizer adopted by the engine is then swapped for the fused CPU Adam of the offload pipeline
+        {"name": "litgpt_stage3_offload", **ZERO, "model": "litgpt", "build": "empty_init", "offload": True},
     ],
     "lora_qwen2": [
         {"name": "ddp_lora_qwen2", "strategy": "ddp", "model": "lora_qwen2"},
@@ -226,8 +228,9 @@ def ranks(tmp_path_factory) -> Path:
     return out
 
 
-def _assert_same_as_ddp(out: Path, ref: str, name: str) -> None:
-    """Initial tensors bit for bit, losses within 1e-5 relative on both ranks, final tensors within 1e-5."""
+def _assert_same_as_ddp(out: Path, ref: str, name: str, final_atol: float = 1e-6) -> None:
+    """Initial tensors bit for bit, losses within 1e-5 relative on both ranks, final tensors within 1e-5 relative
+    (+ ``final_atol``)."""
     a, b = torch.load(out / f"{ref}_init.pt"), torch.load(out / f"{name}_init.pt")
     assert a.keys() == b.keys(), set(a) ^ set(b)
     differ = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
@@ -241,7 +244,7 @@ def _assert_same_as_ddp(out: Path, ref: str, name: str) -> None:
         torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-5, atol=0, msg=f"{name} rank {rank}")
     fa, fb = torch.load(out / f"{ref}.pt"), torch.load(out / f"{name}.pt")
     for k in fa:
-        torch.testing.assert_close(fb[k], fa[k], rtol=1e-5, atol=1e-6, msg=f"{name}: {k}")
+        torch.testing.assert_close(fb[k], fa[k], rtol=1e-5, atol=final_atol, msg=f"{name}: {k}")
     assert any(not torch.equal(fa[k], a[k]) for k in fa), f"{ref}: nothing trained"
 
 
@@ -252,6 +255,9 @@ def test_litgpt_own_loop_at_stages_2_and_3_equals_ddp(ranks):
     _assert_same_as_ddp(ranks, "ddp_litgpt", "litgpt_stage2")
     _assert_same_as_ddp(ranks, "ddp_litgpt", "litgpt_stage3")
     _assert_same_as_ddp(ranks, "ddp_litgpt_groups", "litgpt_stage3_groups")
+    # CPUAdam rounds differently from torch's AdamW; Adam's normalisation turns that into O(lr) steps on elements whose
+    # gradient is ~0 (measured: 1e-3 at most after 5 steps of lr 1e-2), so final tensors get an lr-sized tolerance
+    _assert_same_as_ddp(ranks, "ddp_litgpt", "litgpt_stage3_offload", final_atol=1e-2)
 
 
 @pytest.mark.parametrize("kind", ["lora_qwen2", "lora_llama"])

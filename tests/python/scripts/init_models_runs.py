@@ -7,8 +7,8 @@ Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), ``model``, an
 ``build`` ("eager": plain construction, default; "empty_init": ``fabric.init_module(empty_init=True)``; "meta":
 ``zeroshard.init_meta_context()``), ``setup`` ("separate": ``fabric.setup(model)``, then the optimizer over the set-up
 model's parameters and ``fabric.setup_optimizers``, LitGPT's order, default; "joint": ``fabric.setup(model, opt)``),
-``steps`` (default 5), ``groups`` (two param groups: decay on matrices only), ``gathered``
-(``zeroshard.gathered_parameters`` between forward and backward).
+``steps`` (default 5), ``offload`` (``offload_optimizer``), ``groups`` (two param groups: decay on matrices only),
+``gathered`` (``zeroshard.gathered_parameters`` between forward and backward).
 
 Models: "litgpt" (LitGPT's ``GPT``, a 2-layer pythia-14m-style config, initialised by LitGPT's own
 ``pretrain.initialize_weights`` after the build, as ``litgpt.pretrain.main`` does), "lora_qwen2" / "lora_llama"
@@ -99,7 +99,11 @@ def make_strategy(run: dict):
     if run["strategy"] == "ddp":
         return DDPStrategy(process_group_backend="gloo")
     stage = run.get("stage", 3)
-    return zeroshard.ZeroFabricStrategy(stage=stage, wrap_policy=wrap_policy(run["model"]) if stage == 3 else None)
+    return zeroshard.ZeroFabricStrategy(
+        stage=stage,
+        wrap_policy=wrap_policy(run["model"]) if stage == 3 else None,
+        offload_optimizer=run.get("offload", False),
+    )
 
 
 def batch_for(kind: str, gen: torch.Generator) -> tuple[tuple, torch.Tensor]:
