@@ -80,7 +80,7 @@ def test_torchvision_style_constructor_loop_equals_eager():
 # -- timm style: named_apply(init_weights) from the constructor ------------------------------------------------------
 
 
-def test_timm_style_named_apply_init_equals_eager():
+def test_timm_style_computed_values_are_refused_by_name():
     with init_meta_context():
         model = TimmStyleComputed()
     # Block.gamma (1e-5 * ones) and pos_embed (randn * 0.02) are computed: no initialiser of theirs can be replayed

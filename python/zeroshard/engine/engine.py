@@ -381,9 +381,6 @@ class ZeroEngine:
         if any(p.requires_grad and id(p) not in held for group in groups for p in group):
             return False
         _check_overlap(self.config, new)
-        for opt in new.optimizers:  # rewire() writes the master shards into the groups
-            for group in opt.param_groups:
-                group["params"] = [real_parameter(p) for p in group["params"]]
         self.optim, self.original_groups = new, groups
         new.rewire(self.flat_params, group_of_flat)
         if self.offload is not None:

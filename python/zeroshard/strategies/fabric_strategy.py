@@ -162,10 +162,9 @@ class ZeroFabricStrategy(DDPStrategy):
         """
         if has_meta(module) and self._core.config.stage == 3:
             self._build_engine(module, [PendingOptimizer(module.parameters())])
-        elif has_meta(module):
-            materialize_module_(module, self.root_device, param_init_fn=self._core.config.param_init_fn)
-            broadcast_module_states(module)
         else:
+            if has_meta(module):
+                materialize_module_(module, self.root_device, param_init_fn=self._core.config.param_init_fn)
             broadcast_module_states(module)
         self._module = module
         return module
