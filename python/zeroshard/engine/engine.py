@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from zeroshard import _C
 from zeroshard.engine.config import ZeroConfig
+from zeroshard.engine.module_grads import ModuleGrads
 from zeroshard.init.init_plan import check_plan, plan_init, run_plan
 from zeroshard.meta_init import check_no_meta, has_meta, materialize_module_, replacement
 from zeroshard.offload.offload import (
@@ -164,6 +165,8 @@ class ZeroEngine:
             on_finished=self._on_backward_finished,
         )
         self.reducer.step_fn = lambda: self.steps
+        # the model's param.grad between backward and step, as under DDP (zeroshard.engine.module_grads)
+        self.module_grads = ModuleGrads(self)
         module._zeroshard_engine = self
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
@@ -336,8 +339,11 @@ class ZeroEngine:
         frees every unit."""
         if self.sharded is not None:
             self.sharded.end_of_step()
-        if not synced:
-            return
+        if synced:
+            self._hand_gradients_to_masters()
+        self.module_grads.install(synced)
+
+    def _hand_gradients_to_masters(self) -> None:
         if self.offload is not None and self.sharded is not None:
             self.sharded.wait_param_copies()  # backward's gathers may still read the host shards the step writes
         for fp in self.flat_params:
@@ -386,6 +392,7 @@ class ZeroEngine:
         if self.offload is not None:
             new.offload_adam(OffloadedAdam, offload=self.offload)
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
+        self.module_grads.hook_optimizers()
         return True
 
     @property
@@ -417,6 +424,7 @@ class ZeroEngine:
             ValueError: if ``optimizer`` is not one of :attr:`optimizers`.
         """
         stepped = self.optim.flat_params_of(optimizer)
+        self.module_grads.clear(stepped)  # consumed by this step, as DDP's zero_grad would drop them
         self.reducer.consume()
         if self.sharded is not None:
             # units still gathered (written outside a step, or a step without backward) hold the old values: free them
@@ -454,7 +462,8 @@ class ZeroEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every optimizer's master gradients by their global norm across all shards; returns the norm before
         clipping. One optimizer: an :class:`~zeroshard.offload.offload.OffloadedAdam` folds the coefficient into its
-        step (:func:`clip_master_grads_`)."""
+        step (:func:`clip_master_grads_`). Gradients replaced on the model (``p.grad = t``) are written first."""
+        self.module_grads.sync()
         if len(self.optimizers) == 1:
             return clip_master_grads_(self.optimizers[0], max_norm, norm_type, self.process_group, step=self.steps)
         grads = [g for opt in self.optimizers for g in master_gradients(opt)]
@@ -492,6 +501,7 @@ class ZeroEngine:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        self.module_grads.remove_hooks()
         if self.sharded is not None:
             self.sharded.remove_hooks()
 
@@ -511,7 +521,8 @@ class ZeroEngine:
         sharded.release_accessed()
         before = [unit.is_gathered or unit.pending is not None for unit in sharded.units]
         pinned = sharded.pinned
-        sharded.unshard_all()
+        with sharded.activity("gathered_parameters()"):
+            sharded.unshard_all()
         if writeback:
             for unit in sharded.units:
                 sharded.may_write(unit)
@@ -537,7 +548,7 @@ class ZeroEngine:
             for k, v in refs.items():
                 keys_of.setdefault(id(real_parameter(v)), []).append(k)
             for i, unit in enumerate(self.sharded.units):
-                self.sharded.unshard(i)
+                self.sharded.unshard(i, reason="the full state dict (gathered unit by unit to rank 0)")
                 if self.rank == 0:
                     for fp in unit.flat_params:
                         for p in fp.params:
@@ -566,7 +577,7 @@ class ZeroEngine:
         key_of = {id(real_parameter(v)): k for k, v in refs.items() if k in state_dict}
         self.sharded.release_accessed()
         for i, unit in enumerate(self.sharded.units):
-            self.sharded.unshard(i)
+            self.sharded.unshard(i, reason="loading a full state dict")
             for fp in unit.flat_params:
                 for p in fp.params:
                     if id(p) in key_of:

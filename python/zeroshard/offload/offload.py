@@ -244,6 +244,10 @@ class OffloadedAdam(CPUAdam):
         scaling act on."""
         return self.offload.wait_for_gradients(self._own_flat_params())
 
+    def stepped_during_backward(self, fp: FlatParam) -> bool:
+        """Whether ``overlap_step`` already stepped ``fp`` during this backward (its gradient is consumed)."""
+        return id(fp) in self._stepped
+
     def _own_flat_params(self) -> list[FlatParam]:
         return [self._flat_of[id(p)] for group in self.param_groups for p in group["params"]]
 

@@ -35,8 +35,9 @@ _DATA_SET = torch._C.TensorBase.data.__set__
 class ParamAccess(Protocol):
     """The runtime's side of a placeholder (implemented by :class:`zeroshard.sharding.sharded_units.ShardedUnits`)."""
 
-    def resolve(self, placeholders: list[ShardedParameter]) -> list[torch.Tensor]:
-        """Whole values for ``placeholders`` (gathering their units as needed), in order."""
+    def resolve(self, placeholders: list[ShardedParameter], reason: str | None = None) -> list[torch.Tensor]:
+        """Whole values for ``placeholders`` (gathering their units as needed), in order; ``reason`` names what the
+        read is for in errors."""
 
     def write(self, placeholder: ShardedParameter, src: torch.Tensor) -> None:
         """``placeholder.copy_(src)``: into the gathered parameter, or this rank's shard slice."""
@@ -88,7 +89,7 @@ class ShardedParameter(torch.Tensor):
 
     def __deepcopy__(self, memo):
         # a deep copy holds whole values (a collective gather of the unit, on every rank)
-        value = self.access.resolve([self])[0].detach().clone()
+        value = self.access.resolve([self], reason="a copy or pickle (deepcopy, torch.save)")[0].detach().clone()
         out = (
             torch.nn.Parameter(value, requires_grad=self.requires_grad) if getattr(self, "_is_param", False) else value
         )

@@ -28,6 +28,9 @@ where the units' sizes differ (the backend may otherwise abort on the mismatched
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -60,6 +63,7 @@ class Unit:
         self.tag_sent: list[int] | None = None  # gather tag of the all-gather in flight (gather_check.encode)
         self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
         self.backward = False  # whether the all-gather in flight is for backward
+        self.reason: str | None = None  # what the all-gather in flight is for, outside forward/backward (for errors)
 
     @property
     def trainable(self) -> list[FlatParam]:
@@ -140,6 +144,7 @@ class ShardedUnits:
         self._deferred_tags: list[tuple[int, torch.Tensor]] = []  # CUDA: tags checked at the end of the step
         self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
         self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
+        self._activity: str | None = None  # what gathers units outside forward/backward now (see activity())
         for i, unit in enumerate(units):
             if unit.is_root:
                 continue
@@ -165,11 +170,23 @@ class ShardedUnits:
 
     # -- gather and free -----------------------------------------------------------------------------------------------
 
-    def unshard(self, index: int, *, wait: bool = True) -> None:
-        """All-gathers unit ``index`` (or waits for the all-gather already in flight)."""
+    @contextmanager
+    def activity(self, what: str) -> Iterator[None]:
+        """Names what the all-gathers inside the block are for (a state dict, a checkpoint, gathered_parameters), so
+        that a failed or timed-out one says so instead of blaming a forward."""
+        outer, self._activity = self._activity, what
+        try:
+            yield
+        finally:
+            self._activity = outer
+
+    def unshard(self, index: int, *, wait: bool = True, reason: str | None = None) -> None:
+        """All-gathers unit ``index`` (or waits for the all-gather already in flight). ``reason``: what the gather is
+        for when it is not a forward or backward (named if it fails; default: the current :meth:`activity`)."""
         unit = self.units[index]
         if unit.pending is None and not unit.is_gathered:
             unit.backward = torch._C._current_graph_task_id() != -1
+            unit.reason = None if unit.backward else (reason or self._activity)
             if self.check_gather_order:
                 self._check_same_unit(index)
             for fp in unit.flat_params:
@@ -234,7 +251,7 @@ class ShardedUnits:
             self._check_tags(index, row)
 
     def _named(self, collective: str, unit: Unit):
-        phase = "backward" if unit.backward else "forward"
+        phase = unit.reason or ("backward" if unit.backward else "forward")
         return named_collective(
             collective,
             f"unit '{unit.name}' ({phase})",
@@ -437,7 +454,7 @@ class ShardedUnits:
             if unit.accessed and i != keep:
                 self.reshard(i)
 
-    def resolve(self, placeholders: list[ShardedParameter]) -> list[torch.Tensor]:
+    def resolve(self, placeholders: list[ShardedParameter], reason: str | None = None) -> list[torch.Tensor]:
         needed = []
         for ph in placeholders:
             i = self.units.index(self._unit_of[id(ph.flat)])
@@ -450,7 +467,9 @@ class ShardedUnits:
             unit = self.units[i]
             if not unit.is_gathered:
                 self._check_access(unit, placeholders)
-                self.unshard(i)
+                names = self._names_in(unit, placeholders)
+                what = reason or self._activity or "a read outside forward (a callback or user code)"
+                self.unshard(i, reason=f"{what} of {names}; every rank must make the same reads")
                 self.may_write(unit)
                 unit.accessed = True
         return [ph.flat.params[ph.index].detach() for ph in placeholders]
@@ -478,8 +497,21 @@ class ShardedUnits:
     def describe(self, placeholder: ShardedParameter) -> str:
         return f"'{placeholder.flat.names[placeholder.index]}' of unit '{self._unit_of[id(placeholder.flat)].name}'"
 
+    def _names_in(self, unit: Unit, placeholders: list[ShardedParameter]) -> str:
+        return ", ".join(self.describe(ph) for ph in placeholders if self._unit_of[id(ph.flat)] is unit)
+
     def _check_access(self, unit: Unit, placeholders: list[ShardedParameter]) -> None:
-        names = ", ".join(self.describe(ph) for ph in placeholders if self._unit_of[id(ph.flat)] is unit)
+        names = self._names_in(unit, placeholders)
+        moved = [ph for ph in placeholders if self._unit_of[id(ph.flat)] is unit and not _registered(ph)]
+        if moved:
+            raise RuntimeError(
+                f"zeroshard: {self._names_in(unit, moved)} is no longer registered where the strategy sharded it: "
+                "something re-registered it under another name, as pruning (torch.nn.utils.prune, Lightning's "
+                "ModelPruning callback: 'weight' becomes 'weight_orig' times a mask) and parametrizations "
+                "(torch.nn.utils.parametrize, weight_norm) do. At ZeRO stage 3 a sharded parameter cannot move: "
+                "pruning and parametrizations are not supported at stage 3. Use stage 1 or 2 "
+                "(ZeroStrategy(stage=2)), where parameters stay whole on every rank."
+            )
         if torch._C._current_graph_task_id() != -1:
             raise RuntimeError(
                 f"zeroshard: {names} is sharded (freed) but is read during backward. Its unit was freed before its "
@@ -519,6 +551,15 @@ class ShardedUnits:
     def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """The process group and device for the debug order check."""
         self._group, self._check_device, self._gather_count = group, device, 0
+
+
+def _registered(ph: ShardedParameter) -> bool:
+    """Whether every module slot of ``ph``'s parameter still holds it (the placeholder, or the parameter itself)."""
+    fp, i = ph.flat, ph.index
+    return all(
+        container.get(name) is fp.placeholders[i] or container.get(name) is fp.params[i]
+        for container, name in fp.slots[i]
+    )
 
 
 def _attach_slots(root: nn.Module, units: list[Unit], access: ShardedUnits) -> None:

@@ -1,0 +1,110 @@
+"""Rank worker for the gradient-visibility tests: ``param.grad`` on the model after backward, ZeRO vs Lightning's DDP.
+
+Usage (one process per rank, started by ``launch.run_ranks``):
+    grad_runs.py OUT_DIR RUNS_JSON
+
+Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), ``stage``, ``offload``, ``accumulate``, ``manual``
+(manual optimization that also writes gradients before the step: through a view, in place, and a replacement
+``p.grad = t``), ``clip`` (gradient_clip_val). Every run records, per optimizer step, Lightning's
+``grad_norm(self, 2)`` and the first elements of one gradient, read in ``on_before_optimizer_step`` (automatic) or
+after ``manual_backward`` (manual), and per backward in ``on_after_backward`` the norm of one gradient (local during
+gradient accumulation, as DDP's ``no_sync`` leaves it). Writes ``{name}_rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import grad_norm
+from tiny_lm import VOCAB, Block, TinyLM, token_dataset
+
+import zeroshard
+
+
+class GradLM(TinyLM):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = not manual
+        self.norms: list[dict[str, float]] = []
+        self.peeks: list[list[float]] = []
+        self.after_backward: list[float] = []
+
+    def _record(self) -> None:
+        self.norms.append({k: float(v) for k, v in grad_norm(self, norm_type=2).items()})
+        self.peeks.append(self.blocks[0].up.weight.grad[0, :4].tolist())
+
+    def on_after_backward(self) -> None:
+        self.after_backward.append(float(self.blocks[1].up.weight.grad.norm()))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.automatic_optimization:
+            self._record()
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        self._record()
+        # gradient surgery before the step; each must reach it (AdamW is blind to a uniform scale, so none is one)
+        self.blocks[0].up.weight.grad[0].zero_()  # through a view
+        self.norm.weight.grad.add_(0.01)  # in place
+        down = self.blocks[1].down.weight
+        down.grad = down.grad.clamp(-1e-3, 1e-3)  # a replacement
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+
+def make_strategy(run: dict):
+    if run["strategy"] == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    stage = run["stage"]
+    return zeroshard.ZeroStrategy(
+        stage=stage,
+        wrap_policy=Block if stage == 3 else None,
+        offload_optimizer=run.get("offload", False),
+        reduce_bucket_size=3000,
+    )
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    runs = json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "2"))
+    for run in runs:
+        L.seed_everything(7, verbose=False)
+        loader = torch.utils.data.DataLoader(token_dataset(n=64), batch_size=4)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=make_strategy(run),
+            max_steps=6,
+            accumulate_grad_batches=run.get("accumulate", 1),
+            gradient_clip_val=run.get("clip"),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            deterministic=True,
+        )
+        model = GradLM(manual=run.get("manual", False))
+        trainer.fit(model, loader)
+        record = {"losses": model.losses, "norms": model.norms, "peeks": model.peeks, "after": model.after_backward}
+        (out / f"{run['name']}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        trainer.strategy.barrier()
+
+
+if __name__ == "__main__":
+    main()
