@@ -521,7 +521,9 @@ class ShardedUnits:
             raise RuntimeError(
                 f"zeroshard: {names} is sharded (ZeRO stage 3) and is used with autograd outside its unit's forward, "
                 "so no gradient could reach it. Use it inside the module's forward (wrap the module that uses it in "
-                "the same unit, e.g. through wrap_policy), or read it under torch.no_grad()."
+                "the same unit, e.g. through wrap_policy), or read it under torch.no_grad(). Pruning "
+                "(torch.nn.utils.prune) and parametrizations (torch.nn.utils.parametrize) compute weights this way and "
+                "are not supported at stage 3: use stage 1 or 2 for them."
             )
 
     def _check_same_unit(self, index: int) -> None:

@@ -6,6 +6,8 @@ Both strategies (:class:`zeroshard.ZeroStrategy`, :class:`zeroshard.ZeroFabricSt
 * :func:`check_model_settings` (errors): a ``wrap_policy`` or ``activation_checkpointing`` that selects no module of
   the model (:func:`zeroshard.engine.policy_check.check_policy_matches`), and ``reduce_dtype=torch.float16`` without
   ``precision="16-mixed"`` (fp16 gradients overflow above 65504, and only 16-mixed runs the loss scaler).
+* :func:`check_callbacks` (errors, Trainer): Lightning's ``ModelPruning`` at stage 3 (pruning re-registers each
+  pruned ``weight`` as ``weight_orig`` times a mask, which a sharded parameter cannot follow).
 * :func:`warn_single_unit` (a warning, once per process, on rank 0): stage 3 with no ``wrap_policy`` makes the whole
   model one unit, all-gathered whole for every forward and backward. It runs (a small model may want exactly that),
   but a large one then holds every parameter on every rank at once.
@@ -95,3 +97,22 @@ def warn_single_unit(owner: str, module: nn.Module, config: ZeroConfig) -> None:
         f"memory over stage 2). Set wrap_policy to the model's repeated block class, e.g. {owner}(stage=3, "
         f"wrap_policy={example}), a tuple of classes, a parameter-count threshold, or callable(name, module) -> bool."
     )
+
+
+def check_callbacks(owner: str, stage: int, callbacks: list) -> None:
+    """Raises for a Trainer callback this stage cannot serve: ``ModelPruning`` at stage 3.
+
+    Raises:
+        ValueError: naming the callback, the stage and the fix, before the first training step.
+    """
+    from lightning.pytorch.callbacks import ModelPruning
+
+    pruning = [type(cb).__name__ for cb in callbacks if isinstance(cb, ModelPruning)]
+    if stage == 3 and pruning:
+        raise ValueError(
+            f"{owner}(stage=3) cannot run the {pruning[0]} callback: pruning (torch.nn.utils.prune) replaces each "
+            "pruned parameter 'weight' by 'weight_orig' times a mask, computed outside the module's forward, while at "
+            "ZeRO stage 3 a parameter exists only as shards gathered inside its unit's forward. Prune at stage 1 or 2 "
+            f"({owner}(stage=2): parameters stay whole on every rank), or prune before sharding and train the pruned "
+            "model with the masks applied (torch.nn.utils.prune.remove)."
+        )
