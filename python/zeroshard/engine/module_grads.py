@@ -46,6 +46,7 @@ class ModuleGrads:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._installed: dict[int, tuple[FlatParam, list[ShardedGradient]]] = {}  # id(fp) -> placeholders
+        self._placeholders: dict[tuple[int, bool], list[ShardedGradient]] = {}  # (id(fp), local) -> placeholders
         self._cache: _Gathered | None = None  # the one flat parameter's gradient gathered now
         self._hooks = [
             p.register_hook(self._make_clear_hook(p)) for fp in engine.flat_params for p in fp.params if p.requires_grad
@@ -78,7 +79,12 @@ class ModuleGrads:
                 continue
             if not synced and fp.full_grad is None:
                 continue
-            grads = [ShardedGradient(fp, i, self, local=not synced) for i in range(len(fp.params))]
+            key = (id(fp), not synced)
+            grads = self._placeholders.get(key)
+            if grads is None:  # made once per flat parameter and kind, then reused: an install only assigns
+                grads = self._placeholders[key] = [
+                    ShardedGradient(fp, i, self, not synced) for i in range(len(fp.params))
+                ]
             self._installed[id(fp)] = (fp, grads)
             for holders, g in zip(_holders(fp), grads):
                 for t in holders:
