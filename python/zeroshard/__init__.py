@@ -8,6 +8,7 @@ Public API:
     gathered_parameters: a context manager giving whole parameters at stage 3 (generation, inspection).
     init_meta_context: build a model on the meta device (nothing allocated until the strategy shards it).
     load_pretrained: load a safetensors checkpoint, each rank reading only the slices its shards need.
+    load_from_checkpoint: ``cls.load_from_checkpoint`` that also reads sharded checkpoint directories (in memory).
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning.
@@ -18,6 +19,7 @@ Public API:
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from zeroshard import _C, ops  # noqa: F401
+from zeroshard.checkpoint.load_from_checkpoint import load_from_checkpoint
 from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.gathered import gathered_parameters
@@ -46,6 +48,7 @@ __all__ = [
     "cpu_isa",
     "gathered_parameters",
     "init_meta_context",
+    "load_from_checkpoint",
     "load_pretrained",
     "ops",
     "supported_cpu_isas",

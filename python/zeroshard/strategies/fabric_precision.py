@@ -1,11 +1,13 @@
 """ZeroFabricPrecision: the precision plugin of :class:`zeroshard.ZeroFabricStrategy` (Lightning Fabric).
 
 The same mixed precision as the Trainer's :class:`~zeroshard.strategies.precision.ZeroPrecision` (both are a
-:class:`~zeroshard.strategies.precision.PrecisionCore`): parameters in the compute dtype while the engine holds them,
-fp32 master weights, inputs cast to the compute dtype, a loss scaler whose fp16 overflow check spans every shard. Here
-in Fabric's API: ``backward`` scales the loss, ``unscale_gradients`` (called by ``fabric.clip_gradients``) unscales once
-per step, ``optimizer_step`` skips the step on every rank if any rank overflowed, and ``convert_output`` casts floating
-outputs back to fp32, as Fabric's own ``MixedPrecision`` does.
+:class:`~zeroshard.strategies.precision.PrecisionCore`, whose module docstring has the details): the forward of a model
+from ``fabric.setup`` (and code under ``fabric.autocast()``) runs under ``torch.autocast`` to the compute dtype, as
+Fabric's ``FSDPPrecision``; parameters are in the compute dtype while the engine holds them, master weights fp32,
+floating inputs converted to fp32, and a loss scaler whose fp16 overflow check spans every shard. Here in Fabric's API:
+``backward`` scales the loss, ``unscale_gradients`` (called by ``fabric.clip_gradients``) unscales once per step,
+``optimizer_step`` skips the step on every rank if any rank overflowed, and ``convert_output`` casts floating outputs
+to the default dtype (fp32 unless changed), as Fabric's own ``MixedPrecision`` and ``FSDPPrecision`` do.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ class ZeroFabricPrecision(PrecisionCore, FabricPrecision):
     """Precision plugin of :class:`~zeroshard.ZeroFabricStrategy`.
 
     Args:
-        precision: ``"32-true"``, ``"bf16-mixed"`` (bf16 parameters and compute, fp32 master weights) or
-            ``"16-mixed"`` (fp16 with dynamic loss scaling).
+        precision: ``"32-true"``, ``"bf16-mixed"`` (bf16 parameters, ``torch.autocast`` to bf16, fp32 master weights)
+            or ``"16-mixed"`` (the same in fp16, with dynamic loss scaling).
         device: the device type (``"cuda"`` or ``"cpu"``), set by the strategy.
         scaler: the loss scaler for ``"16-mixed"``; default :class:`~zeroshard.engine.loss_scaler.ShardedLossScaler()`.
 
@@ -40,9 +42,13 @@ class ZeroFabricPrecision(PrecisionCore, FabricPrecision):
         self._overflow: dict[int, bool] = {}  # id(optimizer) -> overflow, for gradients unscaled before the step
 
     def convert_output(self, data: Any) -> Any:
+        """``"-mixed"``: floating-point tensors of the model's output become ``torch.get_default_dtype()`` (fp32 unless
+        changed), as Fabric's ``MixedPrecision.convert_output``; ``"32-true"``: unchanged."""
         if self.precision == "32-true":
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=torch.float32)
+        return apply_to_collection(
+            data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=torch.get_default_dtype()
+        )
 
     def backward(self, tensor: torch.Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         if self.scaler is not None:

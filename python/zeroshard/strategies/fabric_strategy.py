@@ -210,7 +210,6 @@ class ZeroFabricStrategy(DDPStrategy):
             local_world_size=self.num_processes,
             device=self.root_device.type,
         )
-        self.precision.params_in_compute_dtype = True
         self.precision.grad_norm_group = engine.process_group  # the shards' group, one replica of the state
         if engine.offload is not None:  # fp16's overflow check is global: with overlap_step no bucket steps before it
             engine.offload.global_scale_expected = self.precision.scaler is not None

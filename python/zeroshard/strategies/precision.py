@@ -6,13 +6,21 @@ zeroshard are this rank's master shards only: each rank would see a different, p
 fp16 it scales the loss with a :class:`~zeroshard.engine.loss_scaler.ShardedLossScaler` whose overflow check spans all
 ranks.
 
-Mixed precision follows FSDP2's ``MixedPrecisionPolicy``: parameters are stored, all-gathered and computed in the
-compute dtype, gradients are reduced in the engine's ``reduce_dtype`` (fp32 by default), and the master weights and
-optimizer state stay fp32 shards. Floating-point inputs are cast to the compute dtype and tensors created in forward
-default to it, as in Lightning's ``bf16-true``. There is no ``torch.autocast`` while the engine holds the parameters:
-its fp32 ops (layer norm) reject low-precision parameters, and FSDP2 does without it too. Without an engine (the
-module's own fp32 parameters, e.g. ``trainer.validate`` after a stage-1/2 fit restored them) forward runs under
-``torch.autocast``, as with Lightning's ``MixedPrecision``.
+Mixed precision is Lightning's ``FSDPPrecision`` for ``"bf16-mixed"``/``"16-mixed"``: forward (and the loss computed
+in ``training_step``) runs under ``torch.autocast(device_type, dtype=compute dtype)``, floating-point inputs are
+converted to fp32, and autocast picks each op's dtype; while the engine holds the parameters they are stored,
+all-gathered and computed in the compute dtype (FSDP's ``MixedPrecision(param_dtype=...)``), gradients are reduced in
+the engine's ``reduce_dtype`` (fp32 by default), and the master weights and optimizer state are fp32 shards. So the ops
+autocast keeps in fp32 (cross-entropy and the other losses; on CUDA also softmax, layer norm and reductions) run in fp32
+as under Lightning's own ``-mixed``. Without an engine (the module's own fp32 parameters, e.g. ``trainer.validate``
+after a stage-1/2 fit restored them) the same autocast runs over fp32 parameters, as under Lightning's
+``MixedPrecision``. No ``torch.set_default_dtype``: tensors created in forward are fp32, as under Lightning.
+
+Layer norm on CPU: CUDA's autocast casts a layer norm's input and low-precision weight to fp32; CPU's does not list
+layer norm, and its kernel takes a bf16 (fp16) input with a weight of the same dtype but raises ``RuntimeError: mixed
+dtype (CPU): expect parameter to have scalar type of Float`` for an fp32 input with a bf16 weight. Activations computed
+from the engine's parameters are in the compute dtype, so this meets only a model that feeds fp32 tensors (its float
+inputs, fp32 tensors created in forward) straight into a norm on CPU: cast them to the norm's ``weight.dtype`` there.
 
 :class:`PrecisionCore` is shared with the Fabric plugin
 (:class:`zeroshard.strategies.fabric_precision.ZeroFabricPrecision`).
@@ -20,8 +28,8 @@ module's own fp32 parameters, e.g. ``trainer.validate`` after a stage-1/2 fit re
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -40,13 +48,10 @@ _COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-m
 
 
 class PrecisionCore:
-    """What zeroshard's Trainer and Fabric precision plugins share: the compute dtype, inputs and tensors created in
-    forward in that dtype, the fp16 loss scaler, and shard-aware unscaling and clipping.
+    """What zeroshard's Trainer and Fabric precision plugins share: the compute dtype, autocast in forward, inputs in
+    fp32, the fp16 loss scaler, and shard-aware unscaling and clipping.
 
-    ``params_in_compute_dtype`` (set by the strategy): True while a :class:`~zeroshard.engine.engine.ZeroEngine` holds
-    the parameters in the compute dtype (no autocast: its fp32 ops reject low-precision parameters); False when the
-    module keeps its own fp32 parameters (no engine, e.g. ``trainer.validate`` after a stage-1/2 fit), where forward
-    runs under ``torch.autocast`` as Lightning's ``MixedPrecision`` does.
+    ``device`` is the device type autocast runs on (``"cpu"`` or ``"cuda"``), set by the strategy at setup.
     """
 
     def __init__(
@@ -64,7 +69,6 @@ class PrecisionCore:
         # replicates them across groups, which a norm over every rank would count once per replica); set by the
         # strategy when it builds the engine
         self.grad_norm_group: dist.ProcessGroup | None = None
-        self.params_in_compute_dtype = True
 
     @classmethod
     def from_lightning(cls, plugin, base: type, mixed: type, owner: str, flag: str):
@@ -90,29 +94,21 @@ class PrecisionCore:
     def compute_dtype(self) -> torch.dtype:
         return _COMPUTE_DTYPES[self.precision]
 
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """Tensors created during forward default to the compute dtype (as Lightning's ``bf16-true`` does), or
-        ``torch.autocast`` when the parameters are fp32 (see the class docstring)."""
+    def forward_context(self) -> AbstractContextManager:
+        """``"bf16-mixed"``/``"16-mixed"``: ``torch.autocast(self.device, dtype=compute_dtype)``, as Lightning's
+        ``FSDPPrecision.forward_context`` (which names ``"cuda"``; here the strategy's device type); ``"32-true"``:
+        nothing."""
         if self.precision == "32-true":
-            yield
-            return
-        if not self.params_in_compute_dtype:
-            with torch.autocast(self.device, dtype=self.compute_dtype):
-                yield
-            return
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(self.compute_dtype)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(default)
+            return nullcontext()
+        return torch.autocast(self.device, dtype=self.compute_dtype)
 
     def convert_input(self, data: Any) -> Any:
-        """Floating-point tensors of a batch are cast to the compute dtype (FSDP2's ``cast_forward_inputs``)."""
+        """``"-mixed"``: floating-point tensors of a batch (any float dtype) become fp32, as Lightning's
+        ``FSDPPrecision.convert_input`` does (autocast then casts per op); other tensors and ``"32-true"`` batches are
+        returned unchanged."""
         if self.precision == "32-true":
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.compute_dtype)
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=torch.float32)
 
     def _unscale_and_check(self, optimizer) -> bool:
         """fp16: unscales this rank's gradient shards of ``optimizer``; True if any rank saw an inf/NaN
@@ -137,8 +133,11 @@ class ZeroPrecision(PrecisionCore, Precision):
     """Precision plugin of :class:`~zeroshard.ZeroStrategy`.
 
     Args:
-        precision: ``"32-true"`` (fp32 throughout), ``"bf16-mixed"`` (bf16 parameters and compute, fp32 master
-            weights), ``"16-mixed"`` (fp16, with dynamic loss scaling).
+        precision: ``"32-true"`` (fp32 throughout), ``"bf16-mixed"`` (bf16 parameters, ``torch.autocast`` to bf16, fp32
+            master weights), ``"16-mixed"`` (the same in fp16, with dynamic loss scaling). On CPU, where
+            ``torch.autocast("cpu", dtype=torch.float16)`` runs but Lightning turns ``Trainer(accelerator="cpu",
+            precision="16-mixed")`` into bf16-mixed with a warning, pass
+            ``ZeroStrategy(precision_plugin=ZeroPrecision("16-mixed", device="cpu"))``.
         device: the device type the strategy runs on (``"cuda"`` or ``"cpu"``), set by the strategy at setup.
         scaler: the loss scaler for ``"16-mixed"``; default :class:`~zeroshard.engine.loss_scaler.ShardedLossScaler()`.
 

@@ -30,8 +30,10 @@ from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, materialize_module_
 from zeroshard.pretrained import apply_recorded_whole
+from zeroshard.strategies.launcher import ZeroMultiProcessingLauncher
 from zeroshard.strategies.precision import ZeroPrecision
 from zeroshard.strategies.process_group import init_and_destroy_at_exit
+from zeroshard.strategies.setup_checks import check_callbacks
 from zeroshard.strategies.strategy_core import StrategyCore, broadcast_module_states, replace_optimizers
 from zeroshard.strategies.strategy_settings import as_timeout, register_names
 
@@ -215,6 +217,11 @@ class ZeroStrategy(DDPStrategy):
 
     # -- setup and teardown -------------------------------------------------------------------------------------------
 
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method != "popen":  # spawn/fork: stage 3 hands back a gathered state dict
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=self._start_method)
+
     def setup_distributed(self) -> None:
         init_and_destroy_at_exit(super().setup_distributed)
 
@@ -241,8 +248,6 @@ class ZeroStrategy(DDPStrategy):
                     apply_recorded_whole(self.lightning_module)  # zeroshard.load_pretrained called on the meta model
                 self._sync_module_states()
         # else: a stage-3 engine from an earlier fit keeps serving validate/test/predict with sharded parameters
-        # the engine holds the parameters in the compute dtype; without one they are the module's own (autocast)
-        self.precision_plugin.params_in_compute_dtype = self._engine is not None
         self.setup_precision_plugin()
 
     def _build_engine(self) -> None:
@@ -257,6 +262,8 @@ class ZeroStrategy(DDPStrategy):
             device=self.root_device.type,
             grad_accum=trainer.accumulate_grad_batches if trainer is not None else 1,
         )
+        if trainer is not None:
+            check_callbacks(type(self).__name__, engine.config.stage, trainer.callbacks)
         self.precision_plugin.grad_norm_group = engine.process_group  # the shards' group, one replica of the state
         if engine.offload is not None:  # clip coefficient / fp16 overflow are global: no bucket steps before them
             engine.offload.global_scale_expected = (
