@@ -32,7 +32,12 @@ def _load(out: Path, name: str, rank: int) -> dict:
 def runs(tmp_path_factory) -> tuple[Path, list[str]]:
     """One launch for every case: each scenario under DDP and under every ZeRO configuration."""
     out = tmp_path_factory.mktemp("grads")
-    scenarios = {"auto": {}, "accumulate": {"accumulate": 2}, "manual": {"manual": True}, "clip": {"clip": 0.05}}
+    scenarios = {
+        "auto": {},
+        "accumulate": {"accumulate": 2},
+        "manual": {"manual": True},
+        "clip": {"clip": 0.05, "surgery": True},
+    }
     plan = []
     for sname, scenario in scenarios.items():
         plan.append({"name": f"{sname}_ddp", "strategy": "ddp", **scenario})
@@ -52,9 +57,10 @@ def _close(actual, expected, what: str) -> None:
 @pytest.mark.parametrize("scenario", ["auto", "accumulate", "manual", "clip"])
 def test_grads_equal_ddp(runs, scenario):
     """``grad_norm`` (every parameter and the total), the first elements of one gradient, the gradient norm in
-    ``on_after_backward`` and the losses equal DDP's on every rank. ``manual`` also writes gradients before the step
-    (through a view, in place, a replacement): the losses after those steps equal DDP's only if the writes reached the
-    step (checked to fail when the write-back of any one of them is disabled)."""
+    ``on_after_backward`` and the losses equal DDP's on every rank. ``manual`` and ``clip`` also write gradients before
+    the step (through a view, in place, a replacement; ``clip`` before Lightning clips by norm): the losses after those
+    steps equal DDP's only if the writes reached the clipping and the step (checked to fail when the write-back of any
+    one of them is disabled)."""
     out, names = runs
     for name in [n for n in names if n.startswith(f"{scenario}_") and not n.endswith("_ddp")]:
         for rank in range(2):

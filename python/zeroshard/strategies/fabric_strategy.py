@@ -211,6 +211,7 @@ class ZeroFabricStrategy(DDPStrategy):
             device=self.root_device.type,
         )
         self.precision.grad_norm_group = engine.process_group  # the shards' group, one replica of the state
+        self.precision.module_grads = engine.module_grads
         if engine.offload is not None:  # fp16's overflow check is global: with overlap_step no bucket steps before it
             engine.offload.global_scale_expected = self.precision.scaler is not None
         for handle in self._root_hooks:
@@ -285,6 +286,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.engine is None:
             return super().clip_gradients_value(module, optimizer, clip_val)
         self.precision.unscale_gradients(optimizer)
+        self.engine.module_grads.sync()  # gradients replaced on the model first
         for grad in master_gradients(optimizer):
             grad.clamp_(-clip_val, clip_val)
         return None

@@ -69,6 +69,9 @@ class PrecisionCore:
         # replicates them across groups, which a norm over every rank would count once per replica); set by the
         # strategy when it builds the engine
         self.grad_norm_group: dist.ProcessGroup | None = None
+        # the engine's ModuleGrads (set with the engine): gradients replaced on the model go into the shards before
+        # unscaling and clipping read them
+        self.module_grads = None
 
     @classmethod
     def from_lightning(cls, plugin, base: type, mixed: type, owner: str, flag: str):
@@ -113,13 +116,21 @@ class PrecisionCore:
     def _unscale_and_check(self, optimizer) -> bool:
         """fp16: unscales this rank's gradient shards of ``optimizer``; True if any rank saw an inf/NaN
         (collective)."""
+        self._sync_module_grads()
         fold = getattr(unwrap_optimizer(optimizer), "fold_grad_unscale", None)  # OffloadedAdam: folded into its step
         return self.scaler.unscale_and_check(master_gradients(optimizer), _group(), fold=fold)
 
     def _clip_norm(self, optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the master-shard gradients of ``optimizer`` by their global norm across ranks; returns the norm."""
+        self._sync_module_grads()
         group = self.grad_norm_group or _group()
         return clip_master_grads_(optimizer, float(max_norm), float(norm_type), group)
+
+    def _sync_module_grads(self) -> None:
+        """Gradients replaced on the model since backward (``p.grad = t``) into this rank's shards
+        (:meth:`~zeroshard.engine.module_grads.ModuleGrads.sync`)."""
+        if self.module_grads is not None:
+            self.module_grads.sync()
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}
@@ -168,6 +179,12 @@ class ZeroPrecision(PrecisionCore, Precision):
             super().clip_grad_by_norm(optimizer, clip_val)
             return
         self._clip_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clamps the master-shard gradients of ``optimizer`` elementwise (Lightning's), after writing gradients
+        replaced on the model into them."""
+        self._sync_module_grads()
+        super().clip_grad_by_value(optimizer, clip_val)
 
 
 def _group() -> dist.ProcessGroup | None:

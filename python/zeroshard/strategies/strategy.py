@@ -265,6 +265,7 @@ class ZeroStrategy(DDPStrategy):
         if trainer is not None:
             check_callbacks(type(self).__name__, engine.config.stage, trainer.callbacks)
         self.precision_plugin.grad_norm_group = engine.process_group  # the shards' group, one replica of the state
+        self.precision_plugin.module_grads = engine.module_grads
         if engine.offload is not None:  # clip coefficient / fp16 overflow are global: no bucket steps before them
             engine.offload.global_scale_expected = (
                 trainer is not None and bool(trainer.gradient_clip_val)

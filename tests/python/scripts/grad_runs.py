@@ -5,7 +5,8 @@ Usage (one process per rank, started by ``launch.run_ranks``):
 
 Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), ``stage``, ``offload``, ``accumulate``, ``manual``
 (manual optimization that also writes gradients before the step: through a view, in place, and a replacement
-``p.grad = t``), ``clip`` (gradient_clip_val). Every run records, per optimizer step, Lightning's
+``p.grad = t``), ``surgery`` (the same writes in ``on_before_optimizer_step``, automatic optimization), ``clip``
+(gradient_clip_val). Every run records, per optimizer step, Lightning's
 ``grad_norm(self, 2)`` and the first elements of one gradient, read in ``on_before_optimizer_step`` (automatic) or
 after ``manual_backward`` (manual), and per backward in ``on_after_backward`` the norm of one gradient (local during
 gradient accumulation, as DDP's ``no_sync`` leaves it). Writes ``{name}_rank{r}.json``.
@@ -29,8 +30,9 @@ import zeroshard
 
 
 class GradLM(TinyLM):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, surgery: bool = False) -> None:
         super().__init__()
+        self.surgery = surgery
         self.automatic_optimization = not manual
         self.norms: list[dict[str, float]] = []
         self.peeks: list[list[float]] = []
@@ -46,6 +48,15 @@ class GradLM(TinyLM):
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.automatic_optimization:
             self._record()
+            if self.surgery:  # before Lightning's clipping, which must see them
+                self._surgery()
+
+    def _surgery(self) -> None:
+        """Gradient writes before the step; each must reach it (AdamW is blind to a uniform scale: none is one)."""
+        self.blocks[0].up.weight.grad[0].zero_()  # through a view
+        self.norm.weight.grad.add_(0.01)  # in place
+        down = self.blocks[1].down.weight
+        down.grad = down.grad.clamp(-1e-3, 1e-3)  # a replacement
 
     def training_step(self, batch, batch_idx):
         if self.automatic_optimization:
@@ -56,11 +67,7 @@ class GradLM(TinyLM):
         self.losses.append(loss.item())
         self.manual_backward(loss)
         self._record()
-        # gradient surgery before the step; each must reach it (AdamW is blind to a uniform scale, so none is one)
-        self.blocks[0].up.weight.grad[0].zero_()  # through a view
-        self.norm.weight.grad.add_(0.01)  # in place
-        down = self.blocks[1].down.weight
-        down.grad = down.grad.clamp(-1e-3, 1e-3)  # a replacement
+        self._surgery()
         opt.step()
         opt.zero_grad()
         return loss
@@ -99,7 +106,7 @@ def main() -> None:
             enable_model_summary=False,
             deterministic=True,
         )
-        model = GradLM(manual=run.get("manual", False))
+        model = GradLM(manual=run.get("manual", False), surgery=run.get("surgery", False))
         trainer.fit(model, loader)
         record = {"losses": model.losses, "norms": model.norms, "peeks": model.peeks, "after": model.after_backward}
         (out / f"{run['name']}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
