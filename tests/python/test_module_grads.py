@@ -43,6 +43,8 @@ def runs(tmp_path_factory) -> tuple[Path, list[str]]:
         plan.append({"name": f"{sname}_ddp", "strategy": "ddp", **scenario})
         configs = ZERO if sname in ("auto", "manual") else {k: ZERO[k] for k in ("stage2", "stage3_offload")}
         plan += [{"name": f"{sname}_{z}", "strategy": "zeroshard", **cfg, **scenario} for z, cfg in configs.items()]
+    plan.append({"name": "fabric_ddp", "strategy": "ddp", "fabric": True})
+    plan += [{"name": f"fabric_stage{s}", "strategy": "zeroshard", "stage": s, "fabric": True} for s in (2, 3)]
     run_ranks(SCRIPT, [str(out), json.dumps(plan)], timeout=900)
     return out, [p["name"] for p in plan]
 
@@ -81,3 +83,14 @@ def test_accumulation_exposes_local_gradients(runs):
     r0, r1 = _load(out, "accumulate_stage2", 0), _load(out, "accumulate_stage2", 1)
     assert r0["after"][0] != r1["after"][0]
     assert len(r0["after"]) == 12  # 6 steps x 2 micro-batches
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fabric_grads_equal_ddp(runs, stage):
+    """Under Fabric: ``p.grad`` after ``fabric.backward`` equals DDP's, and an in-place write before
+    ``fabric.clip_gradients`` reaches the clipping and the step (losses equal DDP's)."""
+    out, _ = runs
+    for rank in range(2):
+        ref, got = _load(out, "fabric_ddp", rank), _load(out, f"fabric_stage{stage}", rank)
+        for key in ("peeks", "norms", "losses"):
+            _close(got[key], ref[key], f"Fabric stage {stage} rank {rank} {key}")

@@ -6,10 +6,11 @@ Usage (one process per rank, started by ``launch.run_ranks``):
 Each run is a dict: ``name``, ``strategy`` ("ddp" or "zeroshard"), ``stage``, ``offload``, ``accumulate``, ``manual``
 (manual optimization that also writes gradients before the step: through a view, in place, and a replacement
 ``p.grad = t``), ``surgery`` (the same writes in ``on_before_optimizer_step``, automatic optimization), ``clip``
-(gradient_clip_val). Every run records, per optimizer step, Lightning's
-``grad_norm(self, 2)`` and the first elements of one gradient, read in ``on_before_optimizer_step`` (automatic) or
-after ``manual_backward`` (manual), and per backward in ``on_after_backward`` the norm of one gradient (local during
-gradient accumulation, as DDP's ``no_sync`` leaves it). Writes ``{name}_rank{r}.json``.
+(gradient_clip_val), ``fabric`` (the model under ``lightning.Fabric`` instead, see :func:`fabric_run`). Every run
+records, per optimizer step, Lightning's ``grad_norm(self, 2)`` and the first elements of one gradient, read in
+``on_before_optimizer_step`` (automatic) or after ``manual_backward`` (manual), and per backward in
+``on_after_backward`` the norm of one gradient (local during gradient accumulation, as DDP's ``no_sync`` leaves it).
+Writes ``{name}_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.strategies import DDPStrategy as FabricDDP
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 from tiny_lm import VOCAB, Block, TinyLM, token_dataset
@@ -73,6 +75,33 @@ class GradLM(TinyLM):
         return loss
 
 
+def fabric_run(run: dict, world: int) -> tuple[int, dict]:
+    """The same model under Fabric: ``p.grad`` read after ``fabric.backward``, an in-place write, then
+    ``fabric.clip_gradients`` (global norm) and the step."""
+    if run["strategy"] == "ddp":
+        strategy = FabricDDP(process_group_backend="gloo")
+    else:
+        strategy = zeroshard.ZeroFabricStrategy(stage=run["stage"], wrap_policy=Block if run["stage"] == 3 else None)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(7, verbose=False)
+    model = TinyLM()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = token_dataset(n=8 * world)[fabric.global_rank * 8 : (fabric.global_rank + 1) * 8]
+    record = {"losses": [], "peeks": [], "norms": []}
+    for _ in range(4):
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        fabric.backward(loss)
+        record["peeks"].append(model.blocks[0].up.weight.grad[0, :4].tolist())
+        record["norms"].append(float(model.blocks[1].down.weight.grad.norm()))
+        model.norm.weight.grad.add_(0.01)  # must reach the clipping and the step
+        fabric.clip_gradients(model, opt, max_norm=0.05)
+        opt.step()
+        opt.zero_grad()
+        record["losses"].append(loss.item())
+    return fabric.global_rank, record
+
+
 def make_strategy(run: dict):
     if run["strategy"] == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -91,6 +120,10 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "2"))
     for run in runs:
+        if run.get("fabric"):
+            rank, record = fabric_run(run, world)
+            (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps(record))
+            continue
         L.seed_everything(7, verbose=False)
         loader = torch.utils.data.DataLoader(token_dataset(n=64), batch_size=4)
         trainer = L.Trainer(
