@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +34,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
+from rank_launch import machine, versions  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 
 
@@ -160,17 +159,8 @@ def worker(args: argparse.Namespace) -> None:
         result = {
             "benchmark": "bench_module_grads",
             "command": " ".join([Path(sys.executable).name, *sys.argv]).replace(" --worker", ""),
-            "machine": {
-                "host": socket.gethostname(),
-                "platform": platform.platform(),
-                "processor": platform.processor(),
-                "cpu_count": os.cpu_count(),
-            },
-            "versions": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "zeroshard": zeroshard.__version__,
-            },
+            "machine": machine(),
+            "versions": {**versions(), "zeroshard": zeroshard.__version__},
             "config": {k: v for k, v in vars(args).items() if k not in ("worker", "json")},
             "world_size": world,
             "backend": "gloo",
