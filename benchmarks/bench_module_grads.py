@@ -7,7 +7,7 @@ steps (forward, backward, AdamW step) of the example GPT (``examples/gpt.py``) a
 built side by side over identical models: ``exposed`` (the default) and ``hidden`` (the same engine with those hooks
 removed and the install a no-op: what the engine did before), one step of each per round in rotating order, so load
 drifts hit both alike. The cost is the median over rounds of the per-round ratio ``exposed / hidden - 1`` (wall clock
-of the slower rank, and CPU time of each rank's process). It also times the parts alone (one install, per parameter)
+of the slower rank, and CPU time of each rank's process). It also times the per-step parts alone (install, sync, clear)
 and a read: Lightning's ``grad_norm(model)`` on every rank (it all-gathers each flat parameter's gradient once),
 against the step.
 
@@ -93,21 +93,24 @@ class Run:
         return read_s
 
 
-def install_us(run: Run, n: int = 200) -> float:
-    """Microseconds of one install (placeholders into every trainable parameter's .grad), alone, after a backward
-    (so every flat parameter has a gradient to expose)."""
+def bookkeeping_us(run: Run, n: int = 200) -> dict[str, float]:
+    """Microseconds of each per-step part alone, after a backward (so every flat parameter has a gradient to expose):
+    ``install`` (placeholders into every trainable parameter's .grad), ``sync`` (the identity check before the step)
+    and ``clear`` (back to None after it)."""
     engine, mg = run.engine, run.engine.module_grads
     engine.begin_step()
     logits = run.model(run.x)
     logits.float().mean().backward()
     engine.finish_backward()
-    t0 = time.perf_counter()
+    out = {"install": 0.0, "sync": 0.0, "clear": 0.0}
     for _ in range(n):
-        mg.install(True)
-    dt = (time.perf_counter() - t0) / n * 1e6
+        for part, call in (("install", lambda: mg.install(True)), ("sync", mg.sync), ("clear", mg.clear)):
+            t0 = time.perf_counter()
+            call()
+            out[part] += (time.perf_counter() - t0) / n * 1e6
     engine.optimizer.zero_grad()
     engine.after_step()
-    return dt
+    return out
 
 
 def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
@@ -131,7 +134,8 @@ def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
     exposed.step(record=False, read=True)
     reads = [exposed.step(record=False, read=True) for _ in range(5)]
     n_params = sum(len(fp.params) for fp in exposed.engine.flat_params)
-    inst = install_us(exposed)
+    parts = bookkeeping_us(exposed)
+    inst = sum(parts.values())
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "stage": stage,
@@ -142,9 +146,10 @@ def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
         * statistics.median([a / b - 1 for a, b in zip(times["exposed"], times["hidden"])]),
         "cpu_overhead_pct_median_of_paired_rounds": 100
         * statistics.median([a / b - 1 for a, b in zip(cpu["exposed"], cpu["hidden"])]),
-        "install_us": inst,
-        "install_us_per_parameter": inst / n_params,
-        "install_pct_of_step": 100 * inst * 1e-6 / med["exposed"],
+        "bookkeeping_us": parts,
+        "bookkeeping_us_total": inst,
+        "bookkeeping_us_per_parameter": inst / n_params,
+        "bookkeeping_pct_of_step": 100 * inst * 1e-6 / med["exposed"],
         "grad_norm_read_ms_median": 1e3 * statistics.median(reads),
         "grad_norm_read_pct_of_step": 100 * statistics.median(reads) / med["exposed"],
     }
@@ -169,14 +174,14 @@ def worker(args: argparse.Namespace) -> None:
         }
         print(
             f"{'stage':>5} {'params':>6} {'exposed ms':>10} {'hidden ms':>9} {'overhead %':>10} {'CPU ovh %':>9} "
-            f"{'install us':>10} {'us/param':>8} {'grad_norm ms':>12} {'% of step':>9}"
+            f"{'bookkeep us':>11} {'us/param':>8} {'grad_norm ms':>12} {'% of step':>9}"
         )
         for r in rows:
             print(
                 f"{r['stage']:>5} {r['trainable_parameters_tensors']:>6} {r['step_ms_median']['exposed']:>10.2f} "
                 f"{r['step_ms_median']['hidden']:>9.2f} {r['overhead_pct_median_of_paired_rounds']:>+10.2f} "
-                f"{r['cpu_overhead_pct_median_of_paired_rounds']:>+9.2f} {r['install_us']:>10.1f} "
-                f"{r['install_us_per_parameter']:>8.2f} {r['grad_norm_read_ms_median']:>12.2f} "
+                f"{r['cpu_overhead_pct_median_of_paired_rounds']:>+9.2f} {r['bookkeeping_us_total']:>11.1f} "
+                f"{r['bookkeeping_us_per_parameter']:>8.2f} {r['grad_norm_read_ms_median']:>12.2f} "
                 f"{r['grad_norm_read_pct_of_step']:>9.1f}"
             )
         print(f"{args.rounds} paired rounds; load average at the end {result['load_average_1min_at_end']:.1f}")

@@ -86,9 +86,10 @@ class ModuleGrads:
                     ShardedGradient(fp, i, self, not synced) for i in range(len(fp.params))
                 ]
             self._installed[id(fp)] = (fp, grads)
-            for holders, g in zip(_holders(fp), grads):
-                for t in holders:
-                    t.grad = g
+            with _plain_grad_access():
+                for holders, g in zip(_holders(fp), grads):
+                    for t in holders:
+                        t.grad = g
 
     def clear(self, flat_params: Iterable[FlatParam] | None = None) -> None:
         """``.grad = None`` where a placeholder of ``flat_params`` (default: all) is still installed."""
@@ -99,10 +100,11 @@ class ModuleGrads:
             if entry is None:
                 continue
             fp, grads = entry
-            for holders, g in zip(_holders(fp), grads):
-                for t in holders:
-                    if t.grad is g:
-                        t.grad = None
+            with _plain_grad_access():
+                for holders, g in zip(_holders(fp), grads):
+                    for t in holders:
+                        if t.grad is g:
+                            t.grad = None
 
     def _make_clear_hook(self, param: nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
@@ -124,13 +126,20 @@ class ModuleGrads:
             if entry is None:
                 continue
             grads = entry[1]
-            for i, (holders, g) in enumerate(zip(_holders(fp), grads)):
-                user = [t.grad for t in holders if t.grad is not g]
-                if not user:
-                    continue
+            replaced = []
+            with _plain_grad_access():  # a plain loop: this runs before every step, read or not
+                for i, (holders, g) in enumerate(zip(_holders(fp), grads)):
+                    for t in holders:
+                        if t.grad is not g:
+                            replaced.append((i, holders, g))
+                            break
+            for i, holders, g in replaced:
+                with _plain_grad_access():
+                    user = [t.grad for t in holders if t.grad is not g]
                 self._store(fp, i, g, user[-1])
-                for t in holders:
-                    t.grad = g
+                with _plain_grad_access():
+                    for t in holders:
+                        t.grad = g
 
     def _store(self, fp: FlatParam, index: int, g: ShardedGradient, new: torch.Tensor | None) -> None:
         if g.local:
@@ -250,6 +259,12 @@ class _Gathered:
     def __init__(self, flat: FlatParam, full: torch.Tensor, views: list[torch.Tensor]) -> None:
         self.flat, self.full, self.views = flat, full, views
         self.snapshot: torch.Tensor | None = None
+
+
+def _plain_grad_access():
+    """``.grad`` of stage-3 placeholders read and set without their ``__torch_function__`` (a Python call each, 5 us:
+    most of an install's time otherwise)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def _holders(fp: FlatParam) -> list[list[torch.Tensor]]:
