@@ -55,6 +55,21 @@ def test_a_frozen_rank_ends_the_job_naming_collective_unit_step_and_rank(tmp_pat
     assert "timed out" in backend or "timeout" in backend, line
 
 
+@pytest.mark.parametrize(
+    "mode, stage, collective, what",
+    [
+        ("read_one", 3, "parameter all-gather", "a read outside forward (a callback or user code) of 'blocks.0.up"),
+        ("grad_one", 2, "gradient all-gather", "reading the .grad of 'blocks.0.up.weight'"),
+    ],
+)
+def test_a_read_on_one_rank_ends_with_an_error_naming_the_read(tmp_path, mode, stage, collective, what):
+    # a read of a sharded parameter or gradient is a collective: made on rank 0 alone, it times out naming itself
+    rank0 = _rank_output(_failed_run(mode, stage, tmp_path), 0)
+    line = next(ln for ln in rank0.splitlines() if "zeroshard: the " in ln)
+    assert f"the {collective} of" in line and what in line, line
+    assert "failed on rank 0 (of 2)" in line and "timed out" in line, line
+
+
 @pytest.mark.parametrize("mode", ["swap", "skip", "skip_first"])
 def test_diverged_ranks_end_with_an_error_naming_both_units_without_the_debug_check(tmp_path, mode):
     # at step 3 rank 1 runs the same-size blocks in the other order (swap) or skips the second one (skip):

@@ -7,6 +7,10 @@ Usage: faults_collectives.py MODE STAGE OUT_DIR
   collective, the bucket or unit, the step and the rank, then kills rank 1 (whose pid it reads from OUT_DIR).
 - ``swap``: at step 3 rank 1 runs the two (same-size) blocks in the opposite order.
 - ``skip``: at step 3 rank 1 skips the second block; ``skip_first``: the first one; ``skip_all``: both.
+- ``read_one``: after fit (stage 3) only rank 0 reads a parameter (rank 1 sleeps, then exits): rank 0's gather must
+  time out naming the read and the parameter.
+- ``grad_one``: at step 2 only rank 0 reads a ``.grad`` in ``on_before_optimizer_step`` (rank 1 sleeps there): rank
+  0's gradient all-gather must time out naming the read and the parameter.
 - ``numpy``: trains 2 steps, takes ``.numpy()`` views of parameters inside ``gathered_parameters()``, leaves the block,
   trains 2 more steps; writes ``numpy_rank{r}.json`` with what it saw.
 """
@@ -17,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +49,13 @@ class Faulty(TinyLM):
         else:
             x = self.blocks[1](self.blocks[0](x))
         return self.head(self.norm(x))
+
+    def on_before_optimizer_step(self, optimizer):
+        if MODE == "grad_one" and self.global_step == 2:
+            if self.global_rank == 0:
+                print(float(self.blocks[0].up.weight.grad.sum()), flush=True)  # rank 0 alone: a collective read
+            else:
+                time.sleep(30)
 
     def on_train_batch_start(self, batch, batch_idx):
         if MODE == "stop" and self.global_rank == 1 and self.global_step == 2:
@@ -107,6 +119,11 @@ def main() -> None:
         return
     try:
         trainer(6).fit(model, torch.utils.data.DataLoader(token_dataset(), batch_size=4))
+        if MODE == "read_one":
+            if rank == 0:
+                print(float(model.blocks[0].up.weight.detach().sum()), flush=True)  # rank 0 alone: gathers the unit
+            else:
+                time.sleep(30)
     except BaseException:
         if MODE == "stop" and rank == 0:  # the stopped rank never ends by itself
             os.kill(int((OUT / "pid1").read_text()), signal.SIGKILL)
