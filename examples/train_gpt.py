@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from data import DEFAULT_MAX_BYTES, ByteTextDataModule  # noqa: E402
 from gpt import Block, GPTConfig  # noqa: E402
 from lit_gpt import LitGPT  # noqa: E402
-from train_stats import TrainStats  # noqa: E402
+from train_stats import TrainStats, engine_of  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,8 +118,7 @@ def make_strategy(args: argparse.Namespace):
 
 def full_parameters(module: LitGPT):
     """zeroshard.gathered_parameters under --strategy zeroshard (whole parameters at stage 3); nothing under ddp."""
-    engine = getattr(module, "_zeroshard_engine", None)
-    if engine is None:
+    if engine_of(module) is None:
         return contextlib.nullcontext()
     from zeroshard import gathered_parameters
 

@@ -15,6 +15,15 @@ import torch.distributed as dist
 MODEL_STATE = ("params", "grads", "master", "optimizer_state")
 
 
+def engine_of(module: L.LightningModule):
+    """The zeroshard engine built on ``module``; ``None`` under ddp (or where zeroshard is not installed)."""
+    try:
+        from zeroshard import engine_of as lookup
+    except ImportError:
+        return None
+    return lookup(module)
+
+
 def model_state_bytes(pl_module: L.LightningModule, optimizer) -> dict[str, dict[str, int]]:
     """Bytes of model state this rank keeps between steps, by kind (``params``, ``grads``, ``master``,
     ``optimizer_state``): ``{"held": ..., "ddp": ...}``.
@@ -31,7 +40,7 @@ def model_state_bytes(pl_module: L.LightningModule, optimizer) -> dict[str, dict
     params = list(pl_module.parameters())  # tied parameters once
     n_all = sum(p.numel() for p in params)
     n_trainable = sum(p.numel() for p in params if p.requires_grad)
-    engine = getattr(pl_module, "_zeroshard_engine", None)
+    engine = engine_of(pl_module)
     if engine is not None:
         held = engine.memory_summary()
         held["params"] += sum(p.numel() * p.element_size() for _, p in engine.unsharded_parameters())

@@ -11,7 +11,7 @@ Public API:
     load_from_checkpoint: ``cls.load_from_checkpoint`` that also reads sharded checkpoint directories (in memory).
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
     cpu_isa: the instruction set CPUAdam uses on this machine.
-    ZeroEngine, ZeroConfig: the engine without Lightning.
+    ZeroEngine, ZeroConfig: the engine without Lightning; engine_of(module): the engine built on a module, or None.
     CollectiveError, DivergedRanksError: what a failed or timed-out collective and ranks on different code paths raise.
     ops: functional entry points of the compiled core (``zeroshard.ops.adam_step``).
 """
@@ -28,6 +28,7 @@ from zeroshard.meta_init import init_meta_context
 from zeroshard.optim.cpu_adam import CPUAdam
 from zeroshard.pretrained import load_pretrained
 from zeroshard.sharding.collective_errors import CollectiveError, DivergedRanksError
+from zeroshard.sharding.managed import engine_of
 from zeroshard.strategies.fabric_precision import ZeroFabricPrecision
 from zeroshard.strategies.fabric_strategy import ZeroFabricStrategy
 from zeroshard.strategies.precision import ZeroPrecision
@@ -46,6 +47,7 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "cpu_isa",
+    "engine_of",
     "gathered_parameters",
     "init_meta_context",
     "load_from_checkpoint",

@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from zeroshard.sharding.managed import engine_of
+
 
 @contextmanager
 def gathered_parameters(module: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
@@ -29,7 +31,7 @@ def gathered_parameters(module: nn.Module, writeback: bool = True) -> Iterator[n
     Yields:
         ``module``.
     """
-    engine = getattr(module, "_zeroshard_engine", None)
+    engine = engine_of(module)
     if engine is None:
         yield module
         return

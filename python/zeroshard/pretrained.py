@@ -33,6 +33,7 @@ from safetensors import safe_open
 from torch import nn
 
 from zeroshard.meta_init import replacement
+from zeroshard.sharding.managed import engine_of
 from zeroshard.sharding.sharded_param import real_parameter
 
 __all__ = ["LoadReport", "SafetensorsSource", "apply_recorded_pretrained", "load_pretrained"]
@@ -401,8 +402,8 @@ def load_pretrained(
 
     Three cases, by the state of ``model``:
 
-    - **Managed by a** :class:`~zeroshard.ZeroEngine` (``model._zeroshard_engine``, the module the engine was built
-      on): a collective, every rank must call it. Each rank reads, for every flat parameter, only the rows of each
+    - **Managed by a** :class:`~zeroshard.ZeroEngine` (``zeroshard.engine_of(model)``, the module the engine was
+      built on): a collective, every rank must call it. Each rank reads, for every flat parameter, only the rows of each
       tensor that overlap its own shard (``ZeroEngine.load_shards_from``), so it reads about ``1/N`` of the
       checkpoint plus up to one row per tensor at each shard boundary; master shards are refreshed, stages 1-2 then
       all-gather. Parameters outside flat parameters (``ZeroEngine.unsharded_parameters()``) and buffers are read
@@ -434,7 +435,7 @@ def load_pretrained(
         FileNotFoundError: no checkpoint at ``path``.
     """
     source = _source(path, key_map)
-    engine = getattr(model, "_zeroshard_engine", None)
+    engine = engine_of(model)
     if engine is not None:
         if engine.module is not model:
             raise ValueError("load_pretrained: pass the module the ZeroEngine was built on")

@@ -24,6 +24,7 @@ from launch import run_ranks
 from tiny_lm import Block, TinyLM
 from torch import nn
 
+import zeroshard
 from zeroshard import ZeroFabricStrategy, ZeroStrategy
 from zeroshard.strategies import setup_checks
 from zeroshard.strategies.activation_checkpointing import is_checkpointed
@@ -55,7 +56,7 @@ def _setup(strategy, model: nn.Module, compute_dtype=None):
 def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
     """Nothing was sharded, cast or checkpointed."""
     return (
-        not hasattr(model, "_zeroshard_engine")
+        zeroshard.engine_of(model) is None
         and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         and not any(is_checkpointed(m) for m in model.modules())
     )

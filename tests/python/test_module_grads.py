@@ -76,6 +76,16 @@ def test_grads_equal_ddp(runs, scenario):
             _close(got["losses"], ref["losses"], f"{name} rank {rank} losses")
 
 
+def test_trained_module_pickles_and_copies(runs):
+    """After fit the module pickles, unpickles and deep-copies at every stage, as under DDP (the engine, which holds
+    process groups, is not an attribute of the module; stage 3's hooks do not travel with copies), and the copies'
+    forward equals the original's."""
+    out, names = runs
+    for name in [n for n in names if n.startswith("auto_")]:
+        for rank in range(2):
+            assert _load(out, name, rank)["copies_equal"] == [True, True], (name, rank)
+
+
 def test_accumulation_exposes_local_gradients(runs):
     """During accumulation DDP's ``no_sync`` leaves each rank its own gradient: the two ranks' first-micro-batch
     norms differ (different data), and the zeroshard runs reproduce each rank's own."""

@@ -47,6 +47,7 @@ from zeroshard.sharding.flat_param import FlatParam
 from zeroshard.sharding.gather_check import dedicated_group
 from zeroshard.sharding.grad_reducer import GradReducer
 from zeroshard.sharding.hybrid import HybridGradReduction, data_parallel_groups
+from zeroshard.sharding.managed import register_engine
 from zeroshard.sharding.sharded_param import real_parameter
 from zeroshard.sharding.sharded_units import ShardedUnits, Unit
 from zeroshard.sharding.units import plan_units
@@ -167,7 +168,7 @@ class ZeroEngine:
         self.reducer.step_fn = lambda: self.steps
         # the model's param.grad between backward and step, as under DDP (zeroshard.engine.module_grads)
         self.module_grads = ModuleGrads(self)
-        module._zeroshard_engine = self
+        register_engine(module, self)
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
 

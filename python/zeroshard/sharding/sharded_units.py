@@ -40,6 +40,7 @@ from zeroshard import _C
 from zeroshard.sharding import gather_check
 from zeroshard.sharding.collective_errors import DivergedRanksError, named_collective
 from zeroshard.sharding.flat_param import FlatParam
+from zeroshard.sharding.runtime_hook import RuntimeHook
 from zeroshard.sharding.sharded_param import ShardedParameter
 
 
@@ -149,12 +150,12 @@ class ShardedUnits:
             if unit.is_root:
                 continue
             pre, post = self._make_pre_forward(i), self._make_post_forward(i)
-            self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(post))
+            self._handles.append(unit.module.register_forward_pre_hook(RuntimeHook(pre), with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(RuntimeHook(post)))
         root = units[0].module
         for module in _root_hook_modules(root, units[0]):
-            self._handles.append(module.register_forward_pre_hook(self._root_pre_forward))
-            self._handles.append(module.register_forward_hook(self._root_post_forward))
+            self._handles.append(module.register_forward_pre_hook(RuntimeHook(self._root_pre_forward)))
+            self._handles.append(module.register_forward_hook(RuntimeHook(self._root_post_forward)))
         _attach_slots(root, units, self)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
         # mode: forwards hold collectives), and lets dynamo treat the modules as FSDP-managed ones (parameters are

@@ -49,6 +49,7 @@ from zeroshard.checkpoint.sharded_checkpoint import is_sharded_checkpoint, load_
 from zeroshard.engine.engine import ZeroEngine, master_gradients
 from zeroshard.meta_init import has_meta, materialize_module_
 from zeroshard.optim.sharded_optimizer import PendingOptimizer
+from zeroshard.sharding.runtime_hook import RuntimeHook
 from zeroshard.sharding.sharded_param import real_parameter
 from zeroshard.strategies.fabric_precision import ZeroFabricPrecision
 from zeroshard.strategies.process_group import init_and_destroy_at_exit
@@ -221,9 +222,9 @@ class ZeroFabricStrategy(DDPStrategy):
             # stage 3: the root unit (parameters outside every wrapped module) is gathered when the model's forward
             # starts and stays until the end of backward (the Trainer adapter does this in training_step)
             self._root_hooks = [
-                module.register_forward_pre_hook(lambda m, args: engine.begin_step()),
+                module.register_forward_pre_hook(RuntimeHook(lambda m, args: engine.begin_step())),
                 module.register_forward_hook(
-                    lambda m, args, out: None if torch.is_grad_enabled() else engine.end_eval_step()
+                    RuntimeHook(lambda m, args, out: None if torch.is_grad_enabled() else engine.end_eval_step())
                 ),
             ]
         return engine

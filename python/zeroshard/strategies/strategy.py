@@ -30,6 +30,7 @@ from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.meta_init import has_meta, materialize_module_
 from zeroshard.pretrained import apply_recorded_whole
+from zeroshard.sharding.managed import engine_of
 from zeroshard.strategies.launcher import ZeroMultiProcessingLauncher
 from zeroshard.strategies.precision import ZeroPrecision
 from zeroshard.strategies.process_group import init_and_destroy_at_exit
@@ -236,7 +237,7 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)  # several optimizers need manual optimization (Lightning checks it)
             self._build_engine()
         elif self._engine is None or self._engine.sharded is None:
-            previous = getattr(self.lightning_module, "_zeroshard_engine", None)
+            previous = engine_of(self.lightning_module)
             if previous is not None and previous.sharded is not None:
                 self._engine = previous  # a model sharded by an earlier fit (another Trainer): its shards serve
             else:

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.meta_init import init_meta_context
+from zeroshard.sharding.managed import engine_of
 from zeroshard.strategies.activation_checkpointing import apply_activation_checkpointing
 from zeroshard.strategies.auto_plan import auto_config, check_auto_settings
 from zeroshard.strategies.setup_checks import check_model_settings, warn_single_unit
@@ -91,7 +92,7 @@ class StrategyCore:
         """
         # settings that mean nothing for this model or precision fail before anything changes
         check_model_settings(self.owner, module, self.config, self.activation_checkpointing, compute_dtype)
-        previous = getattr(module, "_zeroshard_engine", None)
+        previous = engine_of(module)
         if previous is not None and previous.sharded is not None:
             previous.sharded.unshard_all()  # a new fit re-shards from whole parameters
             previous.remove_hooks()

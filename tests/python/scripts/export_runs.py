@@ -107,7 +107,7 @@ def pretrained(path: Path) -> None:
     t = trainer("gpt2", 3, max_steps=1)
     module = HFCausalLM("gpt2", build="configure", lr=0.0, pretrained=str(path))
     t.fit(module, loader(8))
-    reports = module._zeroshard_engine.pretrained_reports
+    reports = zeroshard.engine_of(module).pretrained_reports
     got["fit"] = torch.cat(t.predict(module, fixed_loader()))  # FIXED_BATCH[rank::2]
     module = HFCausalLM("gpt2", build="configure", pretrained=str(path))
     got["predict"] = torch.cat(trainer("gpt2", 3).predict(module, fixed_loader()))

@@ -15,8 +15,10 @@ Writes ``{name}_rank{r}.json``.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -142,8 +144,18 @@ def main() -> None:
         model = GradLM(manual=run.get("manual", False), surgery=run.get("surgery", False))
         trainer.fit(model, loader)
         record = {"losses": model.losses, "norms": model.norms, "peeks": model.peeks, "after": model.after_backward}
-        (out / f"{run['name']}_rank{trainer.global_rank}.json").write_text(json.dumps(record))
-        trainer.strategy.barrier()
+        strategy, rank = trainer.strategy, trainer.global_rank
+        # the trained module pickles as under DDP (a callback may send it to another process): no engine, no process
+        # group travels with it; at stage 3 every rank pickles (its placeholders gather), as every rank must read
+        # (and a deep copy, e.g. an EMA's): the copies are plain modules whose forward equals the original's
+        model.trainer = None
+        x = token_dataset(n=4)[:][0]
+        with torch.no_grad():
+            expected = model(x)
+            copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]
+            record["copies_equal"] = [torch.equal(c(x), expected) for c in copies]
+        (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps(record))
+        strategy.barrier()
 
 
 if __name__ == "__main__":

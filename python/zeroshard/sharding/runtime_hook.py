@@ -1,0 +1,37 @@
+"""RuntimeHook: a module hook of zeroshard's runtime that does not travel with copies of the module.
+
+Stage 3 puts gather/free hooks on modules (as FSDP2 does). A copy of such a module, ``copy.deepcopy`` (an EMA copy) or
+pickle (a callback sending it to another process), holds its parameters whole (a placeholder's copy gathers it), so it
+is a plain module: its hooks must not call into the original's runtime, and pickling must not try to serialise that
+runtime (process groups). A copied :class:`RuntimeHook` is a hook that does nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class RuntimeHook:
+    """Calls ``fn``; copies and unpickled copies are :class:`NoHook`."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (NoHook, ())
+
+    def __deepcopy__(self, memo) -> NoHook:
+        return NoHook()
+
+
+class NoHook:
+    """A forward (pre-)hook that changes nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
