@@ -125,11 +125,13 @@ def test_bf16_mixed_losses_equal_ddp_within_the_measured_bf16_parameter_noise(ru
 @pytest.mark.parametrize("cls", [ZeroPrecision, ZeroFabricPrecision])
 def test_plugin_contexts_match_lightnings_fsdp_precision(cls):
     """In process: ``forward_context`` is ``torch.autocast`` on the plugin's device type, floating inputs of any
-    dtype become fp32 (integers untouched), no default dtype change; ``32-true`` changes nothing."""
+    dtype become fp32 for the Trainer (as its FSDPPrecision) and bf16 for Fabric (as Fabric's MixedPrecision), integers
+    untouched, no default dtype change; ``32-true`` changes nothing."""
     plugin = cls("bf16-mixed", device="cpu")
     batch = {"x": torch.ones(2, dtype=torch.bfloat16), "y": torch.ones(2, dtype=torch.float64), "i": torch.arange(2)}
     converted = plugin.convert_input(batch)
-    assert [converted[k].dtype for k in ("x", "y", "i")] == [torch.float32, torch.float32, torch.int64]
+    floats = torch.bfloat16 if cls is ZeroFabricPrecision else torch.float32
+    assert [converted[k].dtype for k in ("x", "y", "i")] == [floats, floats, torch.int64]
     with plugin.forward_context():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert torch.get_default_dtype() == torch.float32

@@ -4,10 +4,11 @@ The same mixed precision as the Trainer's :class:`~zeroshard.strategies.precisio
 :class:`~zeroshard.strategies.precision.PrecisionCore`, whose module docstring has the details): the forward of a model
 from ``fabric.setup`` (and code under ``fabric.autocast()``) runs under ``torch.autocast`` to the compute dtype, as
 Fabric's ``FSDPPrecision``; parameters are in the compute dtype while the engine holds them, master weights fp32,
-floating inputs converted to fp32, and a loss scaler whose fp16 overflow check spans every shard. Here in Fabric's API:
-``backward`` scales the loss, ``unscale_gradients`` (called by ``fabric.clip_gradients``) unscales once per step,
-``optimizer_step`` skips the step on every rank if any rank overflowed, and ``convert_output`` casts floating outputs
-to the default dtype (fp32 unless changed), as Fabric's own ``MixedPrecision`` and ``FSDPPrecision`` do.
+floating inputs converted to the compute dtype (as Fabric's own ``MixedPrecision`` does), and a loss scaler whose fp16
+overflow check spans every shard. Here in Fabric's API: ``backward`` scales the loss, ``unscale_gradients`` (called by
+``fabric.clip_gradients``) unscales once per step, ``optimizer_step`` skips the step on every rank if any rank
+overflowed, and ``convert_output`` casts floating outputs to the default dtype (fp32 unless changed), as Fabric's own
+``MixedPrecision`` and ``FSDPPrecision`` do.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ class ZeroFabricPrecision(PrecisionCore, FabricPrecision):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._overflow: dict[int, bool] = {}  # id(optimizer) -> overflow, for gradients unscaled before the step
+
+    def convert_input(self, data: Any) -> Any:
+        """``"-mixed"``: floating-point tensors of the model's input become the compute dtype, as Fabric's own
+        ``MixedPrecision.convert_input`` does (Fabric's DDP ``bf16-mixed`` hands the model bf16 inputs; the Trainer
+        plugin keeps fp32, as the Trainer's does); ``"32-true"``: unchanged."""
+        if self.precision == "32-true":
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.compute_dtype)
 
     def convert_output(self, data: Any) -> Any:
         """``"-mixed"``: floating-point tensors of the model's output become ``torch.get_default_dtype()`` (fp32 unless
