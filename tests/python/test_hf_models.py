@@ -295,4 +295,7 @@ def test_compiled_blocks_at_stages_2_and_3_match_ddp(tmp_path):
         report = _result(tmp_path, name, 0)["dynamo"]
         assert report["graphs"] >= 1 and report["breaks"] == [], (name, report)  # the blocks compiled, unbroken
     whole = _result(tmp_path, "stage3_whole", 0)["dynamo"]
-    assert whole["graphs"] > 2 and whole["breaks"] == ["Skip calling `torch.compiler.disable()`d function"], whole
+    # the only break reason: zeroshard's hooks (RuntimeHook.__call__ is torch.compiler.disable'd; dynamo words it
+    # "Skip inlining" for a disabled method of a hook object, "Skip calling" for a disabled function)
+    disabled = {f"Skip {verb} `torch.compiler.disable()`d function" for verb in ("calling", "inlining")}
+    assert whole["graphs"] > 2 and len(whole["breaks"]) == 1 and set(whole["breaks"]) <= disabled, whole

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 class RuntimeHook:
     """Calls ``fn``; copies and unpickled copies are :class:`NoHook`."""
@@ -20,6 +22,7 @@ class RuntimeHook:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
+    @torch.compiler.disable  # as the hooks themselves: a compiled block breaks its graph around them, never inside
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
