@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zeroshard.offload.offload import OffloadedAdam
@@ -225,7 +224,7 @@ class ModuleGrads:
         with named_collective(
             "gradient all-gather", what, step=engine.steps, rank=engine.rank, world_size=engine.world_size
         ):
-            dist.all_gather_into_tensor(full, shard, group=engine.process_group)
+            engine.collectives.all_gather([shard], [full], full.numel()).wait()  # the shard group's bucketed path
         full = full.to(fp.device)
         self._cache = _Gathered(fp, full, fp.layout.views(full))
         return self._cache.views

@@ -538,7 +538,7 @@ class ShardedUnits:
         mine = torch.tensor([index, phase], dtype=torch.int64, device=self._check_device)
         everyone = torch.empty(self.collectives.world_size * 2, dtype=torch.int64, device=self._check_device)
         with self._named("gather-order check (check_gather_order=True)", self.units[index]):
-            dist.all_gather_into_tensor(everyone, mine, group=self._group)
+            dist.all_gather_single(everyone, mine, group=self._group)
         pairs = everyone.view(-1, 2).tolist()
         if any(p != pairs[0] for p in pairs):
             where = ", ".join(
