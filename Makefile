@@ -8,7 +8,7 @@ BUILD_DIR ?= build/dev
 JOBS      ?= $(shell nproc)
 PYTHON_DIRS := python tests examples benchmarks
 
-.PHONY: venv build test test-cpp test-python lint format demo bench clean wheel
+.PHONY: venv build test test-cpp test-python lint format demo bench clean wheel peer-test
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
@@ -59,6 +59,19 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/bench_cpu_adam.py
+
+# Lightning's own multi-process CPU tests (strategies, callbacks, checkpointing, loops, logging, precision...) run
+# unchanged with zeroshard in place of DDP: ddp (baseline), stage 2, stage 3, one pytest process per test; writes
+# benchmarks/results/peer_lightning.{json,md}. Long (about an hour per config on 2 cores); not part of `make test`.
+# Lightning's test sources: LIGHTNING_SRC (a checkout or git dir), else a clone from GitHub. PEER_ARGS: e.g.
+# "--configs 3 --only-failed benchmarks/results/peer_lightning.json" (see benchmarks/peer_lightning.py --help).
+PEER_ARGS ?=
+$(VENV)/.peer-stamp: $(VENV)/.stamp tests/peer/requirements.txt
+	$(PIP) install -q -r tests/peer/requirements.txt "$(TORCH_PIN)"
+	touch $@
+
+peer-test: build $(VENV)/.peer-stamp
+	$(PY) benchmarks/peer_lightning.py $(PEER_ARGS)
 
 # The user path: a wheel built against the installed torch.
 wheel: venv
