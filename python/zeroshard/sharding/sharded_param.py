@@ -89,7 +89,8 @@ class ShardedParameter(torch.Tensor):
 
     def __deepcopy__(self, memo):
         # a deep copy holds whole values (a collective gather of the unit, on every rank)
-        value = self.access.resolve([self], reason="a copy or pickle (deepcopy, torch.save)")[0].detach().clone()
+        with torch.no_grad():  # a copy reads values only: no autograd through the placeholder
+            value = self.access.resolve([self], reason="a copy or pickle (deepcopy, torch.save)")[0].detach().clone()
         out = (
             torch.nn.Parameter(value, requires_grad=self.requires_grad) if getattr(self, "_is_param", False) else value
         )

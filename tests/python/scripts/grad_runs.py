@@ -150,9 +150,9 @@ def main() -> None:
         # (and a deep copy, e.g. an EMA's): the copies are plain modules whose forward equals the original's
         model.trainer = None
         x = token_dataset(n=4)[:][0]
+        copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]  # with autograd on, as a callback would
         with torch.no_grad():
             expected = model(x)
-            copies = [pickle.loads(pickle.dumps(model)), copy.deepcopy(model)]
             record["copies_equal"] = [torch.equal(c(x), expected) for c in copies]
         (out / f"{run['name']}_rank{rank}.json").write_text(json.dumps(record))
         strategy.barrier()
