@@ -175,6 +175,30 @@ def test_bad_timeout_names_the_type(cls):
         cls(timeout=math.inf)
 
 
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_huge_timeout_is_refused_by_name(cls):
+    # 1e300 seconds overflowed timedelta in C; a year and a day is accepted by torch but hangs a job in practice
+    with pytest.raises(ValueError, match=r"timeout=1e\+300\) seconds is longer than 365 days"):
+        cls(timeout=1e300)
+    with pytest.raises(ValueError, match=r"timeout=datetime.timedelta\(days=366\)\) is longer than 365 days"):
+        cls(timeout=timedelta(days=366))
+    assert cls(timeout=timedelta(days=365))._timeout == timedelta(days=365)
+
+
+@pytest.mark.parametrize("bad", [2**34, 2**22, True, 96, 32])
+def test_align_bytes_is_bounded(bad):
+    # 2**34 tried to allocate 256 GiB of padding before anything said no
+    with pytest.raises(ValueError, match=rf"align_bytes={bad!r}\) must be a power of two from 64 .* to 2097152"):
+        ZeroStrategy(align_bytes=bad)
+    assert ZeroStrategy(align_bytes=2**21) is not None
+
+
+def test_device_mesh_must_be_a_mesh():
+    # "2x1" used to fail late, with an AttributeError from inside the hybrid-group code
+    with pytest.raises(TypeError, match=r"device_mesh='2x1'\) is a str: pass a .*DeviceMesh, e.g. init_device_mesh"):
+        ZeroStrategy(device_mesh="2x1")
+
+
 # -- at setup (the model or the precision is needed): before anything changes ----------------------------------------
 
 

@@ -6,10 +6,13 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.engine.policy_check import check_policy
 
 SUPPORTED_STAGES = (1, 2, 3)
+MIN_ALIGN_BYTES = 64  # a cache line, one AVX-512 vector
+MAX_ALIGN_BYTES = 2 << 20  # a huge page: padding beyond it buys nothing
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,8 @@ class ZeroConfig:
         allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
         max_inflight_buckets: reduce-scatters allowed in flight during backward before the oldest is waited on;
             bounds the full-size gradient buffers alive at once (stage 2 memory).
-        align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes (>= 64, a
-            cache line / AVX-512 vector).
+        align_bytes: every parameter and shard boundary in a flat buffer is aligned to this many bytes: a power of
+            two from 64 (a cache line / AVX-512 vector) to 2 MiB (a huge page).
         wrap_policy: stage 3 units: a module class or tuple of classes (e.g. the transformer block), a parameter-count
             threshold (int >= 1), or ``callable(name, module) -> bool`` (called with each submodule's qualified name
             and the module). The root is always a unit. Checked here for its kind and a callable's signature; the
@@ -62,6 +65,7 @@ class ZeroConfig:
 
     Raises:
         ValueError: naming the bad setting and the accepted values.
+        TypeError: ``device_mesh`` that is not a ``DeviceMesh``.
     """
 
     stage: int = 2
@@ -157,9 +161,16 @@ class ZeroConfig:
                 "ZeroStrategy(offload_params=True) needs offload_optimizer=True: the host step writes the offloaded "
                 "parameter shards in place. Set offload_optimizer=True too."
             )
-        if not isinstance(self.align_bytes, int) or self.align_bytes < 64 or self.align_bytes & (self.align_bytes - 1):
+        if (
+            isinstance(self.align_bytes, bool)
+            or not isinstance(self.align_bytes, int)
+            or not MIN_ALIGN_BYTES <= self.align_bytes <= MAX_ALIGN_BYTES
+            or self.align_bytes & (self.align_bytes - 1)
+        ):
             raise ValueError(
-                f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two >= 64 (one cache line)."
+                f"ZeroStrategy(align_bytes={self.align_bytes!r}) must be a power of two from {MIN_ALIGN_BYTES} (one "
+                f"cache line) to {MAX_ALIGN_BYTES} (a 2 MiB huge page): every parameter is padded to it, so a larger "
+                "one only wastes memory."
             )
 
         if self.shard_group_size is not None and (
@@ -173,6 +184,12 @@ class ZeroConfig:
             )
         if self.device_mesh is not None and self.shard_group_size is not None:
             raise ValueError("ZeroStrategy: give either shard_group_size or device_mesh, not both.")
+        if self.device_mesh is not None and not isinstance(self.device_mesh, DeviceMesh):
+            raise TypeError(
+                f"ZeroStrategy(device_mesh={self.device_mesh!r}) is a {type(self.device_mesh).__name__}: pass a "
+                "torch.distributed.device_mesh.DeviceMesh, e.g. init_device_mesh('cuda', (replicas, shard_size), "
+                "mesh_dim_names=('replicate', 'shard')), or shard_group_size=<ranks per shard group>."
+            )
 
     def align_elems(self, element_size: int) -> int:
         """Alignment in elements for a buffer of ``element_size``-byte elements."""

@@ -22,6 +22,7 @@ from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.policy_check import check_policy
 
 STATE_DICT_TYPES = ("full", "sharded")
+MAX_TIMEOUT = timedelta(days=365)  # longer waits hang a job in practice; 1e300 s overflowed timedelta
 _STRATEGY_LEVEL = {"activation_checkpointing": None, "offload_activations": False, "state_dict_type": "sharded"}
 
 
@@ -144,18 +145,28 @@ def as_timeout(owner: str, timeout: Any) -> timedelta | None:
 
     Raises:
         TypeError: for another type, naming it and the accepted ones.
-        ValueError: for a timeout that is not a positive, finite duration.
+        ValueError: for a timeout that is not a positive duration of at most ``MAX_TIMEOUT`` (365 days).
     """
     if timeout is None:
         return None
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         if not math.isfinite(timeout):
             raise ValueError(f"{owner}(timeout={timeout!r}) must be a finite number of seconds or a timedelta.")
+        if timeout > MAX_TIMEOUT.total_seconds():  # before timedelta(), which overflows from 1e14 seconds
+            raise ValueError(
+                f"{owner}(timeout={timeout!r}) seconds is longer than {MAX_TIMEOUT.days} days, the longest accepted: "
+                "a collective that waits longer hangs the job in practice. Pass e.g. 7200 (two hours)."
+            )
         timeout = timedelta(seconds=timeout)
     elif not isinstance(timeout, timedelta):
         raise TypeError(
             f"{owner}(timeout={timeout!r}) is a {type(timeout).__name__}: pass a datetime.timedelta (e.g. "
             "timedelta(minutes=10)) or a number of seconds."
+        )
+    if timeout > MAX_TIMEOUT:
+        raise ValueError(
+            f"{owner}(timeout={timeout!r}) is longer than {MAX_TIMEOUT.days} days, the longest accepted: a collective "
+            "that waits longer hangs the job in practice. Pass e.g. timedelta(hours=2)."
         )
     if timeout.total_seconds() <= 0:
         raise ValueError(
