@@ -23,19 +23,31 @@ Output:
     ``--hf``: ``OUT`` is a directory ``transformers``' ``from_pretrained`` loads: the Hugging Face model recorded at
     save time (:mod:`zeroshard.checkpoint.hf_export`) under its own names (prefix removed, tied duplicates dropped, LoRA
     merged), safetensors, ``config.json`` and ``generation_config.json``.
+
+Every output is written atomically (:mod:`zeroshard.checkpoint.atomic_write`): all checks (shapes, dtypes, sizes, LoRA
+shapes and patterns) run and every header is built before the first byte is written; each file is written under a
+temporary name created exclusively, fsynced, then renamed; a directory output is staged whole and renamed into place
+(into a new or empty ``OUT``: one step, so a kill leaves nothing or everything), the shard index and ``config.json``
+last. Into an ``OUT`` holding a previous output, the previous one stays whole until every new file is written, then is
+replaced: its files of these names that the new output does not write (older shards, an index) are removed; other
+files are kept. A killed run's temporaries are removed by the next run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from zeroshard.checkpoint.atomic_write import StagedDir, atomic_file, kill_point
 from zeroshard.checkpoint.hf_export import hf_config_files, hf_tensor_plan, merge_lora
 from zeroshard.checkpoint.sharded_checkpoint import _SavedShards, open_checkpoint, read_trainer_state, verify
 
@@ -107,33 +119,78 @@ def iter_parameters(ckpt: str | Path, *, master: bool = True) -> Iterator[tuple[
         yield item.name, item.read()
 
 
-def _write_safetensors(path: Path, items: list[_Item], cast, metadata: dict[str, str] | None = None) -> None:
-    """Streams ``items`` into one safetensors file: the header first (shapes are known), then each tensor's bytes as
-    it is read, so only one tensor is in memory at a time."""
+def _st_dtype(item: _Item, dtype: torch.dtype) -> str:
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"tensor {item.name}: dtype {dtype} has no safetensors form; use --dtype to cast it")
+    return _ST_DTYPES[dtype]
+
+
+def _item_bytes(item: _Item, cast) -> int:
+    """Bytes of ``item`` in its output dtype, after checking its shape (non-negative integer sizes)."""
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in item.shape):
+        raise ValueError(f"tensor {item.name}: shape {item.shape} is not a list of non-negative sizes")
+    dtype = cast(item.dtype)
+    _st_dtype(item, dtype)
+    return math.prod(item.shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _safetensors_header(items: list[_Item], cast, metadata: dict[str, str] | None) -> tuple[bytes, int]:
+    """The safetensors header of ``items`` (8-byte little-endian length, then the JSON, padded so the data starts
+    8-byte aligned) and the data's size in bytes. Raises ValueError for a bad shape or dtype, or a repeated name."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for item in items:
-        dtype = cast(item.dtype)
-        n = torch.Size(item.shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[item.name] = {"dtype": _ST_DTYPES[dtype], "shape": item.shape, "data_offsets": [offset, offset + n]}
+        if item.name in header:
+            raise ValueError(f"tensor {item.name} appears twice in the output")
+        n = _item_bytes(item, cast)
+        header[item.name] = {
+            "dtype": _st_dtype(item, cast(item.dtype)),
+            "shape": item.shape,
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for item in items:
-            t = item.read().to(cast(item.dtype)).contiguous()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob, offset
 
 
-def _write_files(out: Path, items: list[_Item], cast, max_shard_size: int, metadata=None) -> list[Path]:
-    """``out/model.safetensors``, or numbered files of at most ``max_shard_size`` bytes plus the HF index JSON."""
-    out.mkdir(parents=True, exist_ok=True)
+def _write_safetensors(f, header: bytes, items: list[_Item], cast) -> None:
+    """Streams ``items`` into ``f`` after ``header``: each tensor's bytes as it is read, so only one tensor is in
+    memory at a time. Each tensor read is checked against the header's shape before its bytes go out."""
+    f.write(header)
+    for item in items:
+        t = item.read().to(cast(item.dtype)).contiguous()
+        if list(t.shape) != item.shape:
+            raise ValueError(f"tensor {item.name}: read {list(t.shape)}, the plan says {item.shape}")
+        if t.numel():
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        kill_point("consolidate_tensor", 0)
+
+
+def _check_written(path: Path, header: bytes, size: int) -> None:
+    """The file safetensors reads back has the planned size and header (checked before it gets its final name)."""
+    if path.stat().st_size != len(header) + size:
+        raise OSError(f"{path.name}: wrote {path.stat().st_size} bytes, expected {len(header) + size}")
+    with safe_open(str(path), framework="pt") as f:
+        f.keys()  # parses the header and checks the offsets against the file's size
+
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_INDEX_NAME = "model.safetensors.index.json"
+
+
+def _write_files(
+    out: Path, items: list[_Item], cast, max_shard_size: int, metadata=None, extra: dict[str, bytes] | None = None
+) -> list[Path]:
+    """``out/model.safetensors``, or numbered files of at most ``max_shard_size`` bytes plus the HF index JSON, and
+    ``extra`` files (``config.json``: written last), committed together (:class:`StagedDir`): every check runs and
+    every header is built before the first byte is written, and nothing appears under a final name before every file
+    is complete. Files of a previous output in ``out`` that this one does not replace (older shards) are removed."""
+    extra = extra or {}
     groups: list[list[_Item]] = [[]]
     size = total = 0
     for item in items:
-        n = torch.Size(item.shape).numel() * torch.empty((), dtype=cast(item.dtype)).element_size()
+        n = _item_bytes(item, cast)
         if groups[-1] and size + n > max_shard_size:
             groups.append([])
             size = 0
@@ -141,18 +198,30 @@ def _write_files(out: Path, items: list[_Item], cast, max_shard_size: int, metad
         size += n
         total += n
     if len(groups) == 1:
-        path = out / "model.safetensors"
-        _write_safetensors(path, groups[0], cast, metadata)
-        return [path]
-    files, weight_map = [], {}
-    for k, group in enumerate(groups, 1):
-        path = out / f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors(path, group, cast, metadata)
-        files.append(path)
-        weight_map.update({item.name: path.name for item in group})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    return files
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{k:05d}-of-{len(groups):05d}.safetensors" for k in range(1, len(groups) + 1)]
+    headers = [_safetensors_header(group, cast, metadata) for group in groups]
+    index = None
+    if len(groups) > 1:
+        weight_map = {item.name: name for name, group in zip(names, groups) for item in group}
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1).encode()
+    ours = set(extra) | {"model.safetensors", _INDEX_NAME}
+    markers = {"model.safetensors", _INDEX_NAME, "config.json"}
+    staged = StagedDir(out, lambda n: n in ours or _SHARD.fullmatch(n) is not None, markers)
+    try:
+        for name, group, (header, nbytes) in zip(names, groups, headers):
+            with staged.open(name) as f:
+                _write_safetensors(f, header, group, cast)
+            _check_written(staged.stage / name, header, nbytes)
+        if index is not None:
+            staged.write(_INDEX_NAME, index)
+        for name in sorted(extra, key=lambda n: n == "config.json"):
+            staged.write(name, extra[name])
+        files = staged.commit()
+    finally:
+        staged.close()
+    return [f for f in files if f.name.endswith(".safetensors")]  # the weights (the index and extras apart)
 
 
 def _parse_size(text: str) -> int:
@@ -189,17 +258,17 @@ def consolidate(
         ValueError: for an unknown ``fmt``; FileNotFoundError / ValueError for a missing or corrupt checkpoint file;
         UnsafeCheckpointError: ``fmt="lightning"``, pickled trainer state and ``weights_only`` not False.
     """
+    if fmt not in ("safetensors", "torch", "lightning"):
+        raise ValueError(f"--format {fmt!r}: use 'safetensors', 'torch' or 'lightning'")
     out, cast = Path(out), _caster(dtype)
     items = plan_parameters(ckpt, master=master)
     if fmt in ("torch", "lightning"):
-        out.parent.mkdir(parents=True, exist_ok=True)
         state = {item.name: item.read().to(cast(item.dtype)) for item in items}
         if fmt == "lightning":
             state = {**read_trainer_state(ckpt, weights_only), "state_dict": state}
-        torch.save(state, out)
+        with atomic_file(out) as f:
+            torch.save(state, f)
         return [out]
-    if fmt != "safetensors":
-        raise ValueError(f"--format {fmt!r}: use 'safetensors', 'torch' or 'lightning'")
     return _write_files(out, items, cast, max_shard_size)
 
 
@@ -270,12 +339,13 @@ def export_hf(
         )
 
     cast = _caster(dtype)
-    files = _write_files(out, [item(t) for t in plan], cast, max_shard_size, metadata={"format": "pt"})
     floating = {cast(items[t.source].dtype) for t in plan if items[t.source].dtype.is_floating_point}
-    for name, content in hf_config_files(model, floating.pop() if len(floating) == 1 else None).items():
-        (out / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-        files.append(out / name)
-    return files
+    configs = {
+        name: (json.dumps(content, indent=2, sort_keys=True) + "\n").encode()
+        for name, content in hf_config_files(model, floating.pop() if len(floating) == 1 else None).items()
+    }
+    files = _write_files(out, [item(t) for t in plan], cast, max_shard_size, {"format": "pt"}, configs)
+    return files + [out / name for name in configs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,9 @@ duplicates are dropped (as ``save_pretrained`` does; ``from_pretrained`` re-ties
 ``W + scaling * B @ A`` (transposed for ``fan_in_fan_out`` layers such as GPT-2's ``Conv1D``; ``scaling = alpha / r``,
 or ``alpha / sqrt(r)`` with rsLoRA), exactly as ``peft``'s ``merge_and_unload`` computes it (``LoraLayer.
 get_delta_weight``), so the output is a plain model that ``from_pretrained`` loads with no ``peft`` installed.
+A per-layer ``alpha_pattern`` is looked up as peft does, but only for plain-name keys: no regular expression read from
+a checkpoint is compiled (:mod:`zeroshard.checkpoint.peft_patterns`). ``rank_pattern`` is not needed: the rank is the
+saved ``lora_A``'s first dimension. Every LoRA layer's shapes are checked before anything is written.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from zeroshard.checkpoint.peft_patterns import pattern_value
 
 __all__ = ["HFTensor", "describe_hf_models", "hf_config_files", "hf_tensor_plan", "merge_lora"]
 
@@ -125,12 +130,24 @@ def merge_lora(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: fl
     return (base.float() + scaling * (delta.T if transpose else delta)).to(base.dtype)
 
 
-def _pattern_value(patterns: dict[str, Any], layer: str, default: Any) -> Any:
-    """peft's ``get_pattern_key`` rule: the first pattern that matches the end of the layer name."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", layer):
-            return value
-    return default
+def _check_lora_shapes(layer: str, base: list[int], a: list[int], b: list[int], transpose: bool) -> int:
+    """The LoRA rank ``r`` after checking that ``base + b @ a`` (transposed when ``transpose``) has ``base``'s shape, so
+    the export fails before writing anything rather than in the middle of a file.
+
+    Raises:
+        ValueError: naming the layer and the three shapes.
+    """
+    ok = len(base) == len(a) == len(b) == 2 and a[0] == b[1] and a[0] > 0
+    if ok:
+        ok = [b[0], a[1]] == (base[::-1] if transpose else base)
+    if not ok:
+        raise ValueError(
+            f"LoRA layer {layer}: the checkpoint's shapes do not merge: weight {base}, lora_A {a}, lora_B {b} "
+            f"(need lora_A (r, in), lora_B (out, r) and weight {'(in, out)' if transpose else '(out, in)'}); the "
+            "index was edited or the adapter is not a plain LoRA layer. Merge it in your script "
+            "(model.merge_and_unload() under zeroshard.gathered_parameters, then save_pretrained)"
+        )
+    return a[0]
 
 
 def hf_tensor_plan(
@@ -149,7 +166,9 @@ def hf_tensor_plan(
 
     Raises:
         ValueError: for a PEFT model that is not LoRA or uses a setting this merge does not support (named, with the
-            fix), or a LoRA layer whose base weight or adapter half is missing.
+            fix), a LoRA layer whose base weight or adapter half is missing or whose shapes do not merge, or an
+            ``alpha_pattern`` key that is not a plain layer name (no regular expression from a checkpoint is compiled:
+            :mod:`zeroshard.checkpoint.peft_patterns`) or a non-finite alpha.
     """
     prefix, lora = model["prefix"], model["lora"]
     tied = set(model.get("tied", []))
@@ -168,6 +187,10 @@ def hf_tensor_plan(
             f"--hf cannot merge a LoRA adapter with {', '.join(f'{k}={lora[k]!r}' for k in bad)}. Merge it in your "
             "script (model.merge_and_unload() under zeroshard.gathered_parameters, then save_pretrained)"
         )
+    alpha = lora.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA lora_alpha in the checkpoint's index is {alpha!r}: not a finite number")
+    pattern_value(lora.get("alpha_pattern"), "", None, "alpha_pattern")  # refuses a non-plain key whatever the layers
     adapter = lora["adapter"]
     parts: dict[str, dict[str, str]] = {}  # layer -> {"lora_A": checkpoint name, ...} for the active adapter
     plain: list[str] = []
@@ -192,11 +215,11 @@ def hf_tensor_plan(
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA layer {layer}: the checkpoint holds only {sorted(pair)} of lora_A and lora_B")
         a = pair["lora_A"]
-        r = shapes[a][0]
-        alpha = _pattern_value(lora.get("alpha_pattern"), layer, lora["lora_alpha"])
-        scaling = alpha / math.sqrt(r) if lora.get("use_rslora") else alpha / r
         embedding = ".lora_embedding_A." in a
         transpose = embedding or bool(lora.get("fan_in_fan_out"))
+        r = _check_lora_shapes(layer, shapes[prefix + n], shapes[a], shapes[pair["lora_B"]], transpose)
+        alpha = pattern_value(lora.get("alpha_pattern"), layer, lora["lora_alpha"], "alpha_pattern")
+        scaling = alpha / math.sqrt(r) if lora.get("use_rslora") else alpha / r
         tensors.append(HFTensor(out, prefix + n, a, pair["lora_B"], scaling, transpose))
     if parts:
         raise ValueError(f"LoRA adapter tensors without a base weight in the checkpoint: {sorted(parts)}")

@@ -1,0 +1,320 @@
+"""``consolidate`` against hostile checkpoints and kills (issue 18, cases 4 and 11).
+
+4. No regular expression from a checkpoint is compiled: a peft ``alpha_pattern`` key that is not a plain name (the
+   catastrophic ``(a+)+b``) is refused in well under a second, naming the key; plain-name keys give peft's own
+   per-layer scaling (``peft.utils.other.get_pattern_key`` and the ``scaling`` of the layers peft builds).
+11. A ``consolidate`` SIGKILLed at any point of its write (``ZEROSHARD_TEST_KILL_AT``) leaves no partial
+    ``model.safetensors``, no shard without its index and no ``--hf`` weights without ``config.json``; the next run
+    removes the leftovers and writes the whole output. Checks (LoRA shapes edited in a re-sealed index) fail before
+    the first byte is written.
+
+One tiny GPT-2 + LoRA checkpoint is saved in this process (one gloo rank, stage 2); hostile variants are re-sealed as
+an attacker with write access would (``ckpt_tools.edit_index``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from ckpt_tools import edit_index  # noqa: E402
+from hf_causal_lm import FIXED_BATCH, build_hf_model  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from zeroshard.checkpoint.atomic_write import TAG  # noqa: E402
+from zeroshard.checkpoint.hf_export import hf_tensor_plan  # noqa: E402
+from zeroshard.checkpoint.peft_patterns import pattern_value  # noqa: E402
+from zeroshard.consolidate import export_hf, full_state_dict  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+INDEX_JSON = "model.safetensors.index.json"
+SHARDED = ["--max_shard_size", "20KB"]  # the tiny GPT-2 (about 0.2 MB in fp32) in several files
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A sharded checkpoint of a tiny GPT-2 with LoRA on ``c_attn`` (B non-zero, so the merge moves the weights);
+    ``ref_logits.pt`` beside it: the LoRA model's logits on ``FIXED_BATCH``."""
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from zeroshard import ZeroStrategy
+    from zeroshard.checkpoint.sharded_checkpoint import save_sharded
+
+    out = tmp_path_factory.mktemp("consolidate")
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        holder = nn.Module()
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+        holder.model = get_peft_model(build_hf_model("gpt2"), config)
+        with torch.no_grad():
+            for name, p in holder.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()
+            holder.model.eval()
+            torch.save(holder.model(input_ids=FIXED_BATCH).logits, out / "ref_logits.pt")
+        optimizer = torch.optim.AdamW([p for p in holder.parameters() if p.requires_grad], lr=1e-3)
+        engine = ZeroStrategy(stage=2)._core.build_engine(holder, [optimizer], compute_dtype=None, local_world_size=1)
+        save_sharded(engine, out / "ckpt")
+    finally:
+        dist.destroy_process_group()
+    return out / "ckpt"
+
+
+def _cli(*args: str, kill: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
+    env.pop("ZEROSHARD_TEST_KILL_AT", None)
+    if kill:
+        env["ZEROSHARD_TEST_KILL_AT"] = kill
+    cmd = [sys.executable, "-m", "zeroshard.consolidate", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+def _hostile(ckpt: Path, tmp_path: Path, edit) -> Path:
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    edit_index(bad, edit, seal=True)
+    return bad
+
+
+def _set_alpha_pattern(patterns: dict) -> callable:
+    def edit(index: dict) -> None:
+        index["hf_models"][0]["lora"]["alpha_pattern"] = patterns
+
+    return edit
+
+
+# -- case 4: no regular expressions from a checkpoint ----------------------------------------------------------------
+
+
+def _lora_model(patterns: dict) -> dict:
+    lora = {"adapter": "default", "peft_type": "LORA", "r": 4, "lora_alpha": 8, "alpha_pattern": patterns}
+    return {"prefix": "m.", "tied": [], "lora": lora}
+
+
+def test_catastrophic_alpha_pattern_is_refused_in_under_a_second():
+    """``(a+)+b`` against a 26-character run of ``a``: the old ``re.match`` took seconds (doubling per character)."""
+    layer = "a" * 26
+    names = [f"m.{layer}.base_layer.weight", f"m.{layer}.lora_A.default.weight", f"m.{layer}.lora_B.default.weight"]
+    shapes = dict(zip(names, [[16, 8], [4, 8], [16, 4]]))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"alpha_pattern key '\(a\+\)\+b'.*not a plain layer name.*save") as e:
+        hf_tensor_plan(names, shapes, _lora_model({"(a+)+b": 2}))
+    assert time.perf_counter() - start < 1.0
+    assert "regular expressions" in str(e.value)
+
+
+def test_consolidate_hf_refuses_a_resealed_regex_pattern_fast(ckpt, tmp_path):
+    """The CLI on a re-sealed index whose pattern backtracks exponentially on GPT-2's own layer names: a clear error,
+    nothing written (the old code ran past the deadline)."""
+    bad = _hostile(ckpt, tmp_path, _set_alpha_pattern({"h.0.attn.c_attn": 2, "([a-z_.0-9]+)+!": 3}))
+    proc = _cli(str(bad), str(tmp_path / "hf"), "--hf", timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert re.search(r"ValueError: LoRA alpha_pattern key '\(\[a-z_\.0-9\]\+\)\+!'.*plain", proc.stderr)
+    assert not (tmp_path / "hf").exists()
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="not a plain layer name"):
+        export_hf(bad, tmp_path / "hf")
+    assert time.perf_counter() - start < 1.0  # verify + plan + refusal
+    assert not (tmp_path / "hf").exists()
+
+
+def _peft_key(keys: list[str], layer: str) -> str:
+    from peft.utils.other import get_pattern_key
+
+    return get_pattern_key(keys, layer)
+
+
+def test_plain_name_matcher_equals_peft_get_pattern_key():
+    """Every plain-name key form (dotted names whose ``.`` is a wildcard in peft's regex, ``^``, ``$``, suffixes that
+    stop mid-name) against random layer names: the same choice as peft's ``get_pattern_key``, first key first."""
+    rng = random.Random(0)
+    alphabet = "ab1._\n"
+    for _ in range(3000):
+        layer = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        keys = []
+        for _ in range(rng.randint(1, 3)):
+            key = "".join(rng.choice("ab1._") for _ in range(rng.randint(1, 5)))
+            keys.append(rng.choice(["", "^"]) + key + rng.choice(["", "", "$"]))
+        keys = list(dict.fromkeys(keys))
+        patterns = {k: i + 1 for i, k in enumerate(keys)}
+        expected = patterns.get(_peft_key(keys, layer), 0)
+        assert pattern_value(patterns, layer, 0, "alpha_pattern") == expected, (keys, layer)
+    for layer, key, hit in [("transformer.h11", "h.1", True), ("transformer.h.1", "h.1", True), ("xh.1", "h.1", False)]:
+        assert (pattern_value({key: 5}, layer, 0, "alpha_pattern") == 5) is hit is bool(_peft_key([key], layer) == key)
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_plain_alpha_pattern_gives_peft_scaling(rslora):
+    """A GPT-2 with several plain-name alpha_pattern keys (a full name, a suffix, a ``^``-anchored name, a key that
+    matches no layer): each layer's scaling is the one peft gave that layer."""
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    from zeroshard.checkpoint.hf_export import describe_hf_models
+
+    patterns = {"^transformer.h.1.attn.c_attn": 3, "attn.c_proj": 5, "h.9.attn.c_attn": 7}
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True, use_rslora=rslora,
+        alpha_pattern=patterns,
+    )  # fmt: skip
+    holder = nn.Module()
+    holder.model = get_peft_model(build_hf_model("gpt2"), config)
+    state = holder.state_dict()
+    [entry] = describe_hf_models(holder)
+    plan, _ = hf_tensor_plan(list(state), {k: list(v.shape) for k, v in state.items()}, entry)
+    got = {t.name.removesuffix(".weight"): t.scaling for t in plan if t.lora_a}
+    base = holder.model.base_model.model
+    peft_scaling = {
+        name: m.scaling["default"] for name, m in base.named_modules() if isinstance(getattr(m, "scaling", 0), dict)
+    }
+    assert got == pytest.approx(peft_scaling, rel=1e-12) and len(got) == 6  # c_attn, attn/mlp c_proj x 2 layers
+    assert len(set(got.values())) == 3  # the patterns did change some layers' scaling
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [{"h.(0|1).attn": 2}, {"h\\.0": 2}, {"c_attn*": 2}, {"": 2}, {"[ab]": 2}, {"ok": "2"}, {"ok": float("nan")}],
+)
+def test_non_plain_or_non_numeric_patterns_name_the_key(patterns):
+    names = ["m.x.base_layer.weight", "m.x.lora_A.default.weight", "m.x.lora_B.default.weight"]
+    shapes = dict(zip(names, [[16, 8], [4, 8], [16, 4]]))
+    [key] = patterns
+    with pytest.raises(ValueError, match=re.escape(repr(key)[:20])):
+        hf_tensor_plan(names, shapes, _lora_model(patterns))
+
+
+# -- case 11: a killed consolidate leaves no partial output -----------------------------------------------------------
+
+
+def _assert_no_partial(out: Path, parent: Path) -> None:
+    """Nothing under a final name: no model files, no index, no config; only our temporaries (if any)."""
+    finals = [n for n in _names(out) if TAG not in n]
+    assert finals == [], finals
+    strays = [n for n in _names(parent) if n not in ("out",) and TAG not in n]
+    assert strays == [], strays
+
+
+def _assert_whole(out: Path, ckpt: Path, sharded: bool) -> None:
+    names = _names(out)
+    assert not [n for n in names if TAG in n], names
+    ref = full_state_dict(ckpt)
+    if sharded:
+        index = json.loads((out / INDEX_JSON).read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2 and names == sorted([*shards, INDEX_JSON])
+        got = {k: v for s in shards for k, v in load_file(str(out / s)).items()}
+    else:
+        assert names == ["model.safetensors"]
+        got = load_file(str(out / "model.safetensors"))
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("step", ["consolidate_tensor", "consolidate_file", "consolidate_commit"])
+def test_killed_consolidate_leaves_no_partial_output(ckpt, tmp_path, step, sharded):
+    """SIGKILL inside the first file, after the first complete file (one shard of several), and with every file
+    written but not yet renamed: no final-named file; the next run cleans up and writes the whole output."""
+    work = tmp_path / "w"
+    work.mkdir()
+    out = work / "out"
+    extra = SHARDED if sharded else []
+    proc = _cli(str(ckpt), str(out), *extra, kill=step)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    _assert_no_partial(out, work)
+    assert [n for n in _names(work) if TAG in n]  # the killed run's staging directory is what is left
+    proc = _cli(str(ckpt), str(out), *extra)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _names(work) == ["out"]  # the leftovers were removed
+    _assert_whole(out, ckpt, sharded)
+
+
+@pytest.mark.parametrize("step", ["consolidate_file", "consolidate_commit"])
+def test_killed_hf_export_leaves_no_output(ckpt, tmp_path, step):
+    """``--hf``: a kill after the weights are written leaves no weights and no config.json; the next run's
+    from_pretrained model gives the LoRA model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    work = tmp_path / "w"
+    work.mkdir()
+    out = work / "out"
+    proc = _cli(str(ckpt), str(out), "--hf", kill=step)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    _assert_no_partial(out, work)
+    proc = _cli(str(ckpt), str(out), "--hf")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _names(work) == ["out"]
+    assert _names(out) == ["config.json", "generation_config.json", "model.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        got = model(input_ids=FIXED_BATCH).logits
+    torch.testing.assert_close(got, torch.load(ckpt.parent / "ref_logits.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_replacing_a_previous_output_in_place(ckpt, tmp_path):
+    """Into a directory holding a sharded output (and a user's file): a kill before the commit leaves the previous
+    output whole; a kill inside the commit leaves no index and no model.safetensors (nothing a loader takes for
+    complete); a finished run leaves only the new single file, the user's file and no older shard."""
+    out = tmp_path / "out"
+    assert _cli(str(ckpt), str(out), *SHARDED).returncode == 0
+    (out / "tokenizer.json").write_text("{}")
+    before = {n: (out / n).read_bytes() for n in _names(out)}
+    assert _cli(str(ckpt), str(out), kill="consolidate_commit").returncode == -9
+    assert {n: (out / n).read_bytes() for n in _names(out) if TAG not in n} == before
+    assert _cli(str(ckpt), str(out), kill="consolidate_renamed").returncode == -9
+    assert INDEX_JSON not in _names(out) and "tokenizer.json" in _names(out)
+    proc = _cli(str(ckpt), str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _names(out) == ["model.safetensors", "tokenizer.json"]
+    (out / "tokenizer.json").unlink()
+    _assert_whole(out, ckpt, sharded=False)
+
+
+def test_checks_run_before_the_first_byte(ckpt, tmp_path):
+    """A re-sealed index whose lora_A shape was changed with the same element count (so the layout checks pass):
+    the export fails naming the layer before anything is written (the old code failed in the matmul, mid-file)."""
+
+    def edit(index: dict) -> None:
+        for entry in index["flat_params"]:
+            for i, name in enumerate(entry["names"]):
+                if name.endswith("h.1.attn.c_attn.lora_A.default.weight"):
+                    r, n = entry["shapes"][i]
+                    entry["shapes"][i] = [r * 2, n // 2]
+
+    bad = _hostile(ckpt, tmp_path, edit)
+    with pytest.raises(ValueError, match=r"LoRA layer transformer\.h\.1\.attn\.c_attn: .*shapes do not merge"):
+        export_hf(bad, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert [n for n in _names(tmp_path) if TAG in n] == []  # the staging directory was not even created
+
+
+def test_outputs_are_valid_safetensors_with_index_last(ckpt, tmp_path):
+    """The streamed writer's files read back with the safetensors library, and the index names every shard."""
+    out = tmp_path / "out"
+    assert _cli(str(ckpt), str(out), *SHARDED, "--dtype", "bf16").returncode == 0
+    index = json.loads((out / INDEX_JSON).read_text())
+    for name, shard in index["weight_map"].items():
+        with safe_open(str(out / shard), "pt") as f:
+            assert f.get_tensor(name).dtype == torch.bfloat16
