@@ -177,6 +177,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
                     "param_groups": groups,
                     "scalar_state": scalar_state,
                     "group_optimizer": engine.optim.group_optimizer,  # which optimizer owns each group
+                    "classes": engine.optim.kinds(),  # checked on load (zeroshard.optim.restore_checks)
                 },
                 "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
                 "aliases": _aliases(engine.module),
@@ -324,30 +325,36 @@ def load_sharded(engine, path: str | os.PathLike, weights_only: bool | None = No
     Raises:
         FileNotFoundError / CheckpointError: a missing, corrupt or inconsistent checkpoint, or one that does not fit
             the model (naming the file or parameter). UnsafeCheckpointError: pickled trainer state without
-            ``weights_only=False``. ValueError: other optimizers than the saving run's.
+            ``weights_only=False``. ValueError (``OptimizerRestoreError``): optimizer state that does not fit this
+            run's optimizers (class, param group keys, types and ranges, parameters per group:
+            :mod:`zeroshard.optim.restore_checks`); with ``optimizer_state="reset"`` it is dropped instead.
     """
     where, index = open_checkpoint(path)
     check_model(where.dir, index, engine, persistent_buffers(engine.module))
-    saved_groups = index["optimizer"]["param_groups"]
-    saved_owner = index["optimizer"].get("group_optimizer", [0] * len(saved_groups))
-    if saved_owner != engine.optim.group_optimizer:
-        raise ValueError(
-            f"sharded checkpoint {path}: its optimizers own param groups {saved_owner} (optimizer index per group), "
-            f"this run's own {engine.optim.group_optimizer}: build the same optimizers and param groups as the run "
-            "that saved it"
-        )
+    # the optimizer state is checked before any state changes (zeroshard.optim.restore_checks), unless the run
+    # asked to start its optimizer fresh (optimizer_state="reset": then it is dropped, and the drop is logged)
+    with safe_open(str(where.dir / _rank_file(0)), framework="pt") as f:
+        saved_tensors = list(f.keys())
+    restore_optimizer = engine.config.optimizer_state != "reset"
+    if restore_optimizer:
+        group_values = engine.optim.check_restore(
+            f"sharded checkpoint {where.dir / INDEX}", index.get("optimizer"), index["flat_params"],
+            engine.all_flat_params, saved_tensors
+        )  # fmt: skip
     state = trainer_state_module.load(where.dir, weights_only)
 
     saved = _SavedShards(where.dir, index)
     # the fp32 master where one was saved (else the parameter), into the master or, when it aliases it, the shard
     engine.load_shards_from(lambda name, a, b, out: saved.read("master", name, a, b, out))
-    for group, saved_group in zip(engine.optim.param_groups, saved_groups):
-        for k, v in saved_group.items():
-            group[k] = tuple(v) if isinstance(group.get(k), tuple) else v  # JSON turned tuples (betas) into lists
-    for optimizer in engine.optimizers:
-        optimizer.state.clear()
-    scalar_state = index["optimizer"]["scalar_state"]
-    for fp in engine.flat_params:
+    if not restore_optimizer:
+        engine.optim.drop_restore(f"sharded checkpoint {where.dir / INDEX}", index.get("optimizer"), saved_tensors)
+    else:
+        for group, values in zip(engine.optim.param_groups, group_values):
+            group.update(values)  # checked, in the live types (JSON turned tuples such as betas into lists)
+        for optimizer in engine.optimizers:
+            optimizer.state.clear()
+    scalar_state = index["optimizer"].get("scalar_state", {}) if restore_optimizer else {}
+    for fp in engine.flat_params if restore_optimizer else []:
         first = fp.names[0]
         i, _ = saved.where.get(first, (None, 0))
         if i is None:

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.engine.policy_check import check_policy
+from zeroshard.optim.restore_checks import MODES as OPTIMIZER_STATE_MODES
 
 SUPPORTED_STAGES = (1, 2, 3)
 MIN_ALIGN_BYTES = 64  # a cache line, one AVX-512 vector
@@ -62,6 +63,11 @@ class ZeroConfig:
             shard over groups of this many consecutive ranks and replicate across the world / k groups. ``None`` (or
             the world size) shards over every rank. Must divide the world size (checked when the engine is built).
         device_mesh: instead of ``shard_group_size``, a ``DeviceMesh``: 2-D ``(replicate, shard)`` or 1-D (shard).
+        optimizer_state: how a checkpoint's optimizer state is restored (:mod:`zeroshard.optim.restore_checks`):
+            ``"strict"`` (default) checks it before any state changes (the optimizer class, param group keys, types
+            and ranges, parameters per group) and refuses one that does not fit, naming the file, group, key and
+            value; ``"reset"`` loads the weights and starts the optimizer fresh (its own hyperparameters, no state),
+            warning with exactly what was dropped: the explicit way to resume with another optimizer.
 
     Raises:
         ValueError: naming the bad setting and the accepted values.
@@ -85,6 +91,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 0
     shard_group_size: int | None = None
     device_mesh: object = None
+    optimizer_state: str = "strict"
 
     def __post_init__(self) -> None:
         if (
@@ -146,6 +153,12 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_params", "overlap_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
+        if self.optimizer_state not in OPTIMIZER_STATE_MODES:
+            raise ValueError(
+                f"ZeroStrategy(optimizer_state={self.optimizer_state!r}) must be 'strict' (restore a checkpoint's "
+                "optimizer state, refusing one that does not fit the optimizer) or 'reset' (load the weights, start "
+                "the optimizer fresh)."
+            )
         if self.offload_params and self.stage != 3:
             raise ValueError(
                 f"ZeroStrategy(offload_params=True) needs stage=3 (got stage={self.stage}): only stage 3 shards the "

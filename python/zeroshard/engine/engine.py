@@ -483,15 +483,20 @@ class ZeroEngine:
             self.collectives,
         )
 
-    def load_optimizer_state_dict(self, state_dict: dict, optimizer: Optimizer | None = None) -> None:
+    def load_optimizer_state_dict(
+        self, state_dict: dict, optimizer: Optimizer | None = None, source: str = "the optimizer state dict"
+    ) -> None:
         """Loads a consolidated (or plain torch) state dict into ``optimizer`` (default: the only one); each rank keeps
-        its shards."""
+        its shards. Checked first, or dropped with ``optimizer_state="reset"`` (:func:`load_consolidated_state_dict`;
+        errors name ``source``)."""
         oi = self.optim.index(optimizer or self.optimizer)
         load_consolidated_state_dict(
             self.optimizers[oi],
             self.optim.flat_params_of(self.optimizers[oi]),
             self.original_groups[self.optim.group_slice(oi)],
             state_dict,
+            self.config.optimizer_state,
+            source,
         )
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from zeroshard.optim import restore_checks
 from zeroshard.sharding.flat_param import FlatParam
 
 State = dict[str, Any]
@@ -72,36 +73,39 @@ def load_consolidated_state_dict(
     flat_params: list[FlatParam],
     original_groups: list[list[torch.nn.Parameter]],
     state_dict: dict[str, Any],
+    mode: str = "strict",
+    source: str = "the optimizer state dict",
 ) -> None:
     """Loads a state dict from :func:`consolidated_state_dict` (or a plain torch optimizer over the same model).
 
-    Each rank copies only the slices of each per-parameter tensor that fall into its own shards.
+    Each rank copies only the slices of each per-parameter tensor that fall into its own shards. Everything is checked
+    before any state changes (:mod:`zeroshard.optim.restore_checks`): the param group keys against
+    ``optimizer.defaults`` (another optimizer's groups are refused), their types and ranges, and the parameters per
+    group. ``mode="reset"`` (``optimizer_state="reset"``) drops the saved state instead: the optimizer starts fresh
+    and a warning lists what was dropped.
+
+    Args:
+        mode: ``"strict"`` or ``"reset"``.
+        source: what errors name as the origin (the checkpoint file, where known).
 
     Raises:
-        ValueError: if the number of param groups or of parameters in a group differs from the checkpoint's.
+        OptimizerRestoreError (a ``ValueError``): naming ``source``, the group, the key and the value: a different
+            number of param groups or of parameters in a group (an empty ``params`` list included), a key the
+            optimizer does not take or lacks, a value of another type, non-finite or out of range, per-parameter state
+            of another optimizer.
     """
-    saved_groups = state_dict["param_groups"]
-    if len(saved_groups) != len(original_groups):
-        raise ValueError(
-            f"the checkpoint's optimizer has {len(saved_groups)} param groups, this one has {len(original_groups)}: "
-            "configure_optimizers must build the same groups as the run that saved it"
-        )
-    for gi, (saved, params) in enumerate(zip(saved_groups, original_groups)):
-        if len(saved["params"]) != len(params):
-            raise ValueError(
-                f"param group {gi}: the checkpoint has {len(saved['params'])} parameters, this optimizer "
-                f"{len(params)}: the model or configure_optimizers changed since the checkpoint was written"
-            )
-    saved_state = {int(k): v for k, v in state_dict["state"].items()}
+    if mode == "reset":
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        states = state_dict.get("state") if isinstance(state_dict, dict) else None
+        keys = {k for st in states.values() if isinstance(st, dict) for k in st} if isinstance(states, dict) else set()
+        optimizer.state.clear()
+        restore_checks.warn_reset(source, [], groups if isinstance(groups, list) else [], keys, [optimizer])
+        return
+    saved_groups, saved_state = _checked(optimizer, original_groups, state_dict, source)
     index_of: dict[int, int] = {}
     for saved, params in zip(saved_groups, original_groups):
         for idx, p in zip(saved["params"], params):
             index_of[id(p)] = int(idx)
-
-    for group, saved in zip(optimizer.param_groups, saved_groups):
-        for k, v in saved.items():
-            if k != "params":
-                group[k] = v
 
     optimizer.state.clear()
     for fp in flat_params:
@@ -128,3 +132,43 @@ def load_consolidated_state_dict(
             else:
                 new_state[key] = first.clone() if torch.is_tensor(first) else first
         optimizer.state[master] = new_state
+
+
+def _checked(
+    optimizer: Optimizer, original_groups: list[list[torch.nn.Parameter]], state_dict: Any, source: str
+) -> tuple[list[dict], dict[int, State]]:
+    """Checks a torch-format state dict against ``optimizer`` and assigns its checked param group values; returns the
+    saved groups and the per-parameter state by index. Raises before anything changes."""
+    rc = restore_checks
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        raise rc.OptimizerRestoreError(f"{source}: not an optimizer state dict (no 'param_groups' list)")
+    if not isinstance(state_dict.get("state"), dict):
+        raise rc.OptimizerRestoreError(f"{source}: not an optimizer state dict (no 'state' dict)")
+    saved_groups = state_dict["param_groups"]
+    rc.check_params(source, saved_groups, [len(params) for params in original_groups])
+    kind = rc.optimizer_kind(optimizer)
+    values = [
+        rc.check_group(source, gi, {k: v for k, v in g.items() if k != "params"}, optimizer, live, kind, None)
+        for gi, (g, live) in enumerate(zip(saved_groups, optimizer.param_groups))
+    ]
+    shape_of = {int(i): p.shape for g, ps in zip(saved_groups, original_groups) for i, p in zip(g["params"], ps)}
+    per_element = rc.STATE_KEYS.get(kind, set()) - {"step"}  # known only for torch's Adam/AdamW and SGD
+    saved_state: dict[int, State] = {}
+    for idx, st in state_dict["state"].items():
+        where = f"optimizer state of parameter {idx}"
+        if not isinstance(st, dict) or isinstance(idx, bool) or not str(idx).lstrip("-").isdigit():
+            raise rc.OptimizerRestoreError(f"{source}: {where}: not a parameter index with a dict of state")
+        rc.check_state_keys(source, where, kind, st)
+        if "step" in st:
+            rc.check_step(source, where, st["step"])
+        for key in per_element & set(st):
+            v, shape = st[key], shape_of.get(int(idx))
+            if not (torch.is_tensor(v) and v.is_floating_point() and (shape is None or v.shape == shape)):
+                raise rc.OptimizerRestoreError(
+                    f"{source}: {where}, key {key!r}: a {type(v).__name__} of shape {tuple(getattr(v, 'shape', ()))}, "
+                    f"not a floating tensor of the parameter's shape {tuple(shape or ())}. Fix: restore an unedited "
+                    f"checkpoint, {rc.RESET_HINT}"
+                )
+        saved_state[int(idx)] = st
+    rc.apply_groups(optimizer.param_groups, values)  # the last step: everything above only reads
+    return saved_groups, saved_state

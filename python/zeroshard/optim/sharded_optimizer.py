@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from zeroshard.optim import restore_checks
 from zeroshard.sharding.flat_param import FlatParam
 
 
@@ -184,6 +186,34 @@ class OptimizerSet:
     def param_groups(self) -> list[dict]:
         """Every optimizer's param group dicts (live), in the global group order."""
         return [group for opt in self.optimizers for group in opt.param_groups]
+
+    # -- restoring from a checkpoint (:mod:`zeroshard.optim.restore_checks`; the checkpoint layer imports no optim) -
+
+    def kinds(self) -> list[str]:
+        """The class each optimizer is recorded as in a checkpoint (:func:`restore_checks.optimizer_kind`)."""
+        return [restore_checks.optimizer_kind(opt) for opt in self.optimizers]
+
+    def check_restore(self, source: str, saved: Any, layouts: list, flat_params, tensor_names) -> list[dict]:
+        """Checks a sharded checkpoint's optimizer state before anything loads (:func:`restore_checks.check_sharded`;
+        ``tensor_names``: rank file 0's); returns the values to assign to each param group.
+
+        Raises:
+            OptimizerRestoreError (a ``ValueError``): naming ``source``, the group, the key, the value and the fix.
+        """
+        keys = restore_checks.saved_state_keys(tensor_names)
+        return restore_checks.check_sharded(source, saved, layouts, self, flat_params, keys)
+
+    def drop_restore(self, source: str, saved: Any, tensor_names) -> None:
+        """``optimizer_state='reset'``: clears every optimizer's state and warns with what the checkpoint held."""
+        saved = saved if isinstance(saved, dict) else {}
+        keys = {k for ks in restore_checks.saved_state_keys(tensor_names).values() for k in ks}
+        scalar = saved.get("scalar_state")
+        keys |= {k for st in scalar.values() if isinstance(st, dict) for k in st} if isinstance(scalar, dict) else set()
+        groups = saved.get("param_groups") if isinstance(saved.get("param_groups"), list) else []
+        kinds = saved.get("classes") if isinstance(saved.get("classes"), list) else []
+        for opt in self.optimizers:
+            opt.state.clear()
+        restore_checks.warn_reset(source, kinds, groups, keys, self.optimizers)
 
 
 class PendingOptimizer(Optimizer):

@@ -402,7 +402,7 @@ class ZeroFabricStrategy(DDPStrategy):
             engine.load_full_state_dict(checkpoint, strict=strict)
             return {}
         if isinstance(state, Optimizer):
-            engine.load_optimizer_state_dict(checkpoint, state)
+            engine.load_optimizer_state_dict(checkpoint, state, source=f"checkpoint {path}")
             return {}
         _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict)
         for key, obj in state.items():
@@ -411,7 +411,7 @@ class ZeroFabricStrategy(DDPStrategy):
             if isinstance(obj, Module):
                 engine.load_full_state_dict(checkpoint.pop(key), strict=strict)
             elif isinstance(obj, Optimizer):
-                engine.load_optimizer_state_dict(checkpoint.pop(key), obj)
+                engine.load_optimizer_state_dict(checkpoint.pop(key), obj, source=f"checkpoint {path} ({key!r})")
             elif isinstance(obj, _Stateful):
                 obj.load_state_dict(checkpoint.pop(key))
             else:

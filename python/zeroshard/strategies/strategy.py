@@ -94,6 +94,11 @@ class ZeroStrategy(DDPStrategy):
             (:mod:`zeroshard.checkpoint.sharded_checkpoint`; ``python -m zeroshard.consolidate`` turns it into plain
             files). ``"full"``: one consolidated file (gathered unit by unit to rank 0's CPU), in torch's optimizer
             format.
+        optimizer_state: (keyword, like every ``ZeroConfig`` field) ``"strict"`` (default): a checkpoint's optimizer
+            state is checked before any state changes (class, param group keys, types, ranges, parameters per group)
+            and refused, naming the file, group, key and value, when it does not fit; ``"reset"``: load the weights
+            and start the optimizer fresh, warning with what was dropped (to resume with another optimizer;
+            :mod:`zeroshard.optim.restore_checks`).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout, a ``timedelta`` or seconds (int/float); a rank that stops answering ends the job
             with an error after it.
@@ -446,8 +451,10 @@ class ZeroStrategy(DDPStrategy):
                 f"the checkpoint holds {len(states)} optimizer states, configure_optimizers returned "
                 f"{len(self._engine.optimizers)} optimizers: build the same optimizers as the run that saved it"
             )
-        for state, optimizer in zip(states, self._engine.optimizers):
-            self._engine.load_optimizer_state_dict(state, optimizer)
+        path = getattr(getattr(self.lightning_module, "_trainer", None), "ckpt_path", None)  # named in errors
+        for i, (state, optimizer) in enumerate(zip(states, self._engine.optimizers)):
+            source = f"checkpoint {path or '(path unknown)'}, optimizer_states[{i}]"
+            self._engine.load_optimizer_state_dict(state, optimizer, source=source)
 
     @staticmethod
     def _unwrap(optimizer: Optimizer) -> Optimizer:
