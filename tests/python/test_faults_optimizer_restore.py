@@ -267,3 +267,31 @@ def test_optimizer_state_is_a_strategy_setting():
     assert ZeroStrategy().zero_config.optimizer_state == "strict"
     with pytest.raises(ValueError, match=r"optimizer_state='drop'\) must be 'strict' .* or 'reset'"):
         ZeroStrategy(optimizer_state="drop")
+
+
+def _two_optimizer_engine(first: str, seed: int) -> ZeroEngine:
+    torch.manual_seed(seed)
+    model = TinyLM()
+    blocks = list(model.blocks.parameters())
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("blocks.")]
+    opt0 = torch.optim.Adam(blocks, lr=1e-3) if first == "adam" else torch.optim.SGD(blocks, lr=1e-3, momentum=0.5)
+    opt1 = torch.optim.AdamW(rest, lr=2e-3)
+    return ZeroEngine(model, [opt0, opt1], ZeroConfig(stage=2), local_world_size=1)
+
+
+def test_two_optimizers_are_checked_each_by_its_class(group, tmp_path):
+    engine = _two_optimizer_engine("adam", 0)
+    engine.begin_step()
+    _loss(engine.module, _batch(1)).backward()
+    engine.finish_backward()
+    for opt in engine.optimizers:
+        opt.step()
+        engine.after_step(opt)
+    save_sharded(engine, tmp_path / "ck", {})
+    same = _two_optimizer_engine("adam", 5)
+    load_sharded(same, tmp_path / "ck")
+    for oi, opt in enumerate(engine.optimizers):
+        assert _same(same.optimizer_state_dict(same.optimizers[oi]), engine.optimizer_state_dict(opt))
+    with pytest.raises(ValueError, match=r"optimizer 0, key 'classes' = 'torch.optim.Adam': this run's optimizer 0 "
+                       r"is torch.optim.SGD"):  # fmt: skip
+        load_sharded(_two_optimizer_engine("sgd", 5), tmp_path / "ck")
