@@ -8,24 +8,30 @@
    fresh with its own hyperparameters, and a warning says exactly what was dropped.
 
 One process (a gloo group of one) with sharded checkpoints edited and re-sealed as a hostile tester would
-(``ckpt_tools``); the multi-rank loading paths are the same code (tests/python/test_faults_checkpoint.py).
+(``ckpt_tools``); one 2-rank gloo run resumes through ``Trainer.fit`` (scripts/optim_restore_runs.py).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from ckpt_tools import edit_index, version_dir
+from launch import run_ranks
 from tiny_lm import SEQ, VOCAB, TinyLM
 
 from zeroshard import ZeroConfig, ZeroEngine, ZeroFabricStrategy, ZeroStrategy
 from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
+
+SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +301,23 @@ def test_two_optimizers_are_checked_each_by_its_class(group, tmp_path):
     with pytest.raises(ValueError, match=r"optimizer 0, key 'classes' = 'torch.optim.Adam': this run's optimizer 0 "
                        r"is torch.optim.SGD"):  # fmt: skip
         load_sharded(_two_optimizer_engine("sgd", 5), tmp_path / "ck")
+
+
+def test_trainer_resume_with_sgd_is_refused_then_reset_on_two_ranks(tmp_path):
+    """Through ``Trainer.fit(ckpt_path=...)`` on 2 gloo ranks, sharded and full checkpoints: AdamW state into SGD is
+    refused on every rank before the weights load; ``ZeroStrategy(optimizer_state="reset")`` resumes the weights with
+    SGD's own groups, and SGD then builds its own momentum buffers."""
+    outputs = run_ranks(SCRIPTS / "optim_restore_runs.py", [str(tmp_path)], timeout=300)
+    for fmt, pattern in (
+        ("sharded", r"sharded checkpoint \S+/sharded/v00001/index\.json: optimizer 0, key 'classes' = "
+         r"'torch\.optim\.AdamW': this run's optimizer 0 is torch\.optim\.SGD\. Fix: build torch\.optim\.AdamW"),
+        ("full", r"checkpoint \S+/full, optimizer_states\[0\]: optimizer param group 0, key 'betas' = "
+         r"\(0\.9, 0\.999\)"),
+    ):  # fmt: skip
+        for out in outputs:
+            assert re.search(f"^REFUSED {fmt} {pattern}", out, re.M), out[-3000:]
+            assert f"UNCHANGED {fmt} True" in out, out[-3000:]
+        reset = json.loads(re.search(f"^RESET {fmt} (.*)$", outputs[0], re.M).group(1))
+        assert reset["same"] and reset["state_keys"] == ["momentum_buffer"], reset
+        assert [g["momentum"] for g in reset["groups"]] == [0.9, 0.9] and "betas" not in reset["groups"][0], reset
+        assert [g["weight_decay"] for g in reset["groups"]] == [0.1, 0.0], reset

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from zeroshard.engine.policy_check import check_policy
+from zeroshard.engine.step_flags import NONFINITE_MODES
 from zeroshard.optim.restore_checks import MODES as OPTIMIZER_STATE_MODES
 
 SUPPORTED_STAGES = (1, 2, 3)
@@ -63,6 +64,11 @@ class ZeroConfig:
             shard over groups of this many consecutive ranks and replicate across the world / k groups. ``None`` (or
             the world size) shards over every rank. Must divide the world size (checked when the engine is built).
         device_mesh: instead of ``shard_group_size``, a ``DeviceMesh``: 2-D ``(replicate, shard)`` or 1-D (shard).
+        nonfinite: what a NaN/inf gradient on any rank does (:mod:`zeroshard.engine.step_flags`), found before any
+            master weight changes: ``"error"`` (default) raises ``NonFiniteGradientError`` on every rank, naming the
+            step and the first bucket; ``"skip"`` skips the step on every rank (weights and optimizer state unchanged)
+            with a warning; ``"ignore"`` steps as torch does. Under fp16 loss scaling the scaler's overflow skip
+            handles it. ``"skip"`` cannot be combined with ``overlap_step`` (buckets step before the check).
         optimizer_state: how a checkpoint's optimizer state is restored (:mod:`zeroshard.optim.restore_checks`):
             ``"strict"`` (default) checks it before any state changes (the optimizer class, param group keys, types
             and ranges, parameters per group) and refuses one that does not fit, naming the file, group, key and
@@ -91,6 +97,7 @@ class ZeroConfig:
     param_persistence_threshold: int = 0
     shard_group_size: int | None = None
     device_mesh: object = None
+    nonfinite: str = "error"
     optimizer_state: str = "strict"
 
     def __post_init__(self) -> None:
@@ -153,11 +160,21 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_params", "overlap_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroStrategy({name}={getattr(self, name)!r}) must be True or False.")
+        if not isinstance(self.nonfinite, str) or self.nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"ZeroStrategy(nonfinite={self.nonfinite!r}) must be one of {NONFINITE_MODES}: 'error' (raise on every "
+                "rank), 'skip' (skip the step everywhere, with a warning) or 'ignore' (step as torch does)."
+            )
         if self.optimizer_state not in OPTIMIZER_STATE_MODES:
             raise ValueError(
                 f"ZeroStrategy(optimizer_state={self.optimizer_state!r}) must be 'strict' (restore a checkpoint's "
                 "optimizer state, refusing one that does not fit the optimizer) or 'reset' (load the weights, start "
                 "the optimizer fresh)."
+            )
+        if self.nonfinite == "skip" and self.overlap_step:
+            raise ValueError(
+                "ZeroStrategy(nonfinite='skip') cannot skip a step that overlap_step=True has partly taken during "
+                "backward: drop overlap_step, or use nonfinite='error' or 'ignore'."
             )
         if self.offload_params and self.stage != 3:
             raise ValueError(

@@ -27,6 +27,8 @@ from torch.optim import Optimizer
 from zeroshard import _C
 from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.module_grads import ModuleGrads
+from zeroshard.engine.step_flags import confirm_nonfinite, exchange_flags, loss_scaling_pending, nonfinite_found
+from zeroshard.engine.unused_params import UnusedParams
 from zeroshard.init.init_plan import check_plan, plan_init, run_plan
 from zeroshard.meta_init import check_no_meta, has_meta, materialize_module_, replacement
 from zeroshard.offload.offload import (
@@ -36,7 +38,11 @@ from zeroshard.offload.offload import (
     host_bytes_needed,
     threads_per_rank,
 )
-from zeroshard.optim.optim_state import consolidated_state_dict, load_consolidated_state_dict
+from zeroshard.optim.optim_state import (
+    check_consolidated_state_dict,
+    consolidated_state_dict,
+    load_consolidated_state_dict,
+)
 from zeroshard.optim.sharded_optimizer import OptimizerSet
 from zeroshard.pretrained import apply_recorded_pretrained
 from zeroshard.sharding import gather_check
@@ -166,6 +172,10 @@ class ZeroEngine:
             on_finished=self._on_backward_finished,
         )
         self.reducer.step_fn = lambda: self.steps
+        self.reducer.check_finite = config.nonfinite != "ignore"
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient (nonfinite="skip")
+        # parameters no rank used keep grad=None semantics, as under DDP (zeroshard.engine.unused_params)
+        self.unused_params = UnusedParams(self)
         # the model's param.grad between backward and step, as under DDP (zeroshard.engine.module_grads)
         self.module_grads = ModuleGrads(self)
         register_engine(module, self)
@@ -342,7 +352,34 @@ class ZeroEngine:
             self.sharded.end_of_step()
         if synced:
             self._hand_gradients_to_masters()
+            self._check_step_flags()
         self.module_grads.install(synced)
+
+    def _check_step_flags(self) -> None:
+        """One all-reduce of the non-finite flags and used-parameter bitmap (:mod:`zeroshard.engine.step_flags`), then
+        unused parameters are kept out of the step and a non-finite gradient raises or skips the step (per
+        ``config.nonfinite``) on every rank, before any master weight changes. Under fp16 loss scaling the scaler's
+        overflow check handles it (the same flag: it skips the step everywhere)."""
+        bad, used = self.reducer.take_flags()
+        if self.reducer.check_finite:
+            bad = confirm_nonfinite(bad, self.flat_params, self._local_gradient)
+        world = self.groups.world
+        sizes = [len(fp.params) for fp in self.flat_params]
+        flags = exchange_flags(bad, used, sizes, world, _comm_device(world), step=self.steps)
+        self.unused_params.backward_done(flags.unused)
+        if flags.first_nonfinite is None or self.config.nonfinite == "ignore" or loss_scaling_pending():
+            return
+        # no optimizer may use these gradients: drop them all (a step then changes nothing), then raise or skip
+        for fp in self.flat_params:
+            fp.master.grad = None
+        if self.offload is not None:
+            self.offload.gradients_consumed()
+        self.unused_params.step_done(self.flat_params)
+        fp = self.flat_params[flags.first_nonfinite]
+        if nonfinite_found(
+            self.config.nonfinite, self.steps, flags.first_nonfinite, fp.names, fp.numel, self.config.overlap_step
+        ):
+            self.skipped_steps += 1
 
     def _hand_gradients_to_masters(self) -> None:
         if self.offload is not None and self.sharded is not None:
@@ -362,6 +399,14 @@ class ZeroEngine:
                 master.grad = grad
             else:
                 master.grad.add_(grad)
+
+    def _local_gradient(self, fp: FlatParam) -> torch.Tensor | None:
+        """This rank's reduced gradient shard of ``fp`` as the step will read it (``None`` if it has none)."""
+        if fp.master is not None and fp.master.grad is not None:
+            return fp.master.grad
+        if self.offload is not None and self.offload.has_gradient(fp):
+            return self.offload.wait_for_gradients([fp])[0]
+        return None
 
     def adopt_optimizers(self, optimizers: Sequence[Optimizer]) -> bool:
         """Takes ``optimizers`` in place of the :class:`~zeroshard.optim.sharded_optimizer.PendingOptimizer` this
@@ -394,6 +439,7 @@ class ZeroEngine:
             new.offload_adam(OffloadedAdam, offload=self.offload)
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.module_grads.hook_optimizers()
+        self.unused_params.hook_optimizers()
         return True
 
     @property
@@ -443,6 +489,7 @@ class ZeroEngine:
             for i, unit in enumerate(self.sharded.units):
                 if unit.persistent and any(id(fp) in ids for fp in unit.flat_params):
                     self.sharded.reshard(i, force=True)  # gathered again, with the new values, at its next use
+        self.unused_params.step_done(stepped)
         self._gather_full_params(stepped)
         for stats in self._comm_stats.values():
             stats.end_step()
@@ -499,6 +546,21 @@ class ZeroEngine:
             source,
         )
 
+    def check_optimizer_state_dict(
+        self, state_dict: dict, optimizer: Optimizer | None = None, source: str = "the optimizer state dict"
+    ) -> None:
+        """Checks, changing nothing, what :meth:`load_optimizer_state_dict` would load (nothing with
+        ``optimizer_state="reset"``), so that a checkpoint is refused before its weights load.
+
+        Raises:
+            OptimizerRestoreError (a ``ValueError``): naming ``source``, the group, the key and the value.
+        """
+        if self.config.optimizer_state == "reset":
+            return
+        oi = self.optim.index(optimizer or self.optimizer)
+        check_consolidated_state_dict(self.optimizers[oi], self.original_groups[self.optim.group_slice(oi)], state_dict,
+                                      source)  # fmt: skip
+
     @torch.no_grad()
     def after_params_loaded(self) -> None:
         """Refreshes master shards after the module's parameters were overwritten (e.g. ``load_state_dict``)."""
@@ -508,6 +570,7 @@ class ZeroEngine:
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
         self.module_grads.remove_hooks()
+        self.unused_params.remove_hooks()
         if self.sharded is not None:
             self.sharded.remove_hooks()
 

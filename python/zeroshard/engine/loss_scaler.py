@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.engine.engine import _comm_device
+from zeroshard.engine.step_flags import clear_scaled_losses, note_scaled_loss
 from zeroshard.sharding.collective_errors import named_collective
 
 
@@ -64,6 +65,9 @@ class ShardedLossScaler:
         self.skipped_steps = 0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale``. Until :meth:`unscale_and_check` the engines leave non-finite gradients to it (its overflow
+        skip is their ``nonfinite`` check: one flag, one skip on every rank)."""
+        note_scaled_loss()
         return loss * self.scale
 
     @torch.no_grad()
@@ -73,6 +77,7 @@ class ShardedLossScaler:
         """Divides the gradient shards by the scale in place (or hands ``1 / scale`` to ``fold``, e.g.
         ``OffloadedAdam.fold_grad_unscale``, which multiplies inside its step); returns True if any rank saw an inf or
         NaN (collective)."""
+        clear_scaled_losses()
         device = _comm_device(group) if dist.is_initialized() else torch.device("cpu")
         found = torch.zeros((), dtype=torch.float32, device=device)
         for g in grads:

@@ -101,7 +101,8 @@ def load_consolidated_state_dict(
         optimizer.state.clear()
         restore_checks.warn_reset(source, [], groups if isinstance(groups, list) else [], keys, [optimizer])
         return
-    saved_groups, saved_state = _checked(optimizer, original_groups, state_dict, source)
+    saved_groups, saved_state, values = check_consolidated_state_dict(optimizer, original_groups, state_dict, source)
+    restore_checks.apply_groups(optimizer.param_groups, values)  # everything before only read
     index_of: dict[int, int] = {}
     for saved, params in zip(saved_groups, original_groups):
         for idx, p in zip(saved["params"], params):
@@ -134,11 +135,16 @@ def load_consolidated_state_dict(
         optimizer.state[master] = new_state
 
 
-def _checked(
+def check_consolidated_state_dict(
     optimizer: Optimizer, original_groups: list[list[torch.nn.Parameter]], state_dict: Any, source: str
-) -> tuple[list[dict], dict[int, State]]:
-    """Checks a torch-format state dict against ``optimizer`` and assigns its checked param group values; returns the
-    saved groups and the per-parameter state by index. Raises before anything changes."""
+) -> tuple[list[dict], dict[int, State], list[dict[str, Any]]]:
+    """Checks a torch-format state dict against ``optimizer`` (whose parameters before rewiring are
+    ``original_groups``); changes nothing. Returns the saved groups, the per-parameter state by index and the checked
+    values to assign to each param group.
+
+    Raises:
+        OptimizerRestoreError (a ``ValueError``): as :func:`load_consolidated_state_dict`.
+    """
     rc = restore_checks
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
         raise rc.OptimizerRestoreError(f"{source}: not an optimizer state dict (no 'param_groups' list)")
@@ -170,5 +176,4 @@ def _checked(
                     f"checkpoint, {rc.RESET_HINT}"
                 )
         saved_state[int(idx)] = st
-    rc.apply_groups(optimizer.param_groups, values)  # the last step: everything above only reads
-    return saved_groups, saved_state
+    return saved_groups, saved_state, values

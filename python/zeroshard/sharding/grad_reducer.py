@@ -10,7 +10,14 @@ beyond that the oldest is waited on and (stages 2-3) its full buffer freed, whic
 
 When backward ends (an autograd engine callback, with the strategy's ``post_backward`` as a fallback), buckets that
 did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
-take part in the same collectives and none hangs (the failure mode of pytorch issue 158719).
+take part in the same collectives and none hangs (the failure mode of pytorch issue 158719). Which parameters got a
+gradient on this rank (since the last reduction, micro-batches included) is kept in :attr:`GradReducer.used`, for the
+engine's step flags (:mod:`zeroshard.engine.step_flags`): a parameter no rank used must not be stepped.
+
+With ``check_finite``, each reduced gradient shard is summed as its reduction completes (one read of the shard this rank
+holds, no synchronisation; a NaN/inf makes the sum non-finite): :attr:`GradReducer.bad` holds one flag per bucket until
+the engine reads it. A sum that overflows fp32 with finite elements flags too; the engine re-checks flagged buckets
+exactly before acting.
 
 A reduction that fails or times out (a dead or frozen rank) is re-raised as a
 :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the bucket (its index and parameters), the step
@@ -75,6 +82,9 @@ class GradReducer:
         self._backward_active = False
         self._grads_ready = False
         self._handles = []
+        self.used: list[set[int]] = [set() for _ in flat_params]  # params with a gradient here since the reduction
+        self.check_finite = False
+        self._bad: torch.Tensor | None = None
         self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
         for fi, fp in enumerate(flat_params):
             for pi, p in enumerate(fp.params):
@@ -108,6 +118,7 @@ class GradReducer:
         if grad is None:
             return
         fp.full_grad_views()[pi].add_(grad)
+        self.used[fi].add(pi)
         if pi in self._reported[fi]:
             return  # a second gradient for one parameter in one backward (reentrant use): already counted
         self._reported[fi].add(pi)
@@ -144,12 +155,32 @@ class GradReducer:
             world_size=self.world_size,
         ):
             handle.wait()
+        if self.check_finite:  # a NaN/inf makes the sum non-finite: one read of the shard, 30x cheaper than isfinite
+            bad = self.bad
+            total = fp.grad_shard.sum(dtype=torch.float32)
+            bad[fi] = torch.maximum(bad[fi], torch.isfinite(total).logical_not().to(bad.dtype))
         if self.stage == 1:
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:
             fp.free_full_grad()
         if self.on_reduced is not None:
             self.on_reduced(fp)
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """float32, one element per bucket on the gradients' device: 1 where a reduced gradient shard's sum was NaN/inf
+        since :meth:`take_flags` (with ``check_finite``)."""
+        if self._bad is None:
+            device = self.flat_params[0].device if self.flat_params else torch.device("cpu")
+            self._bad = torch.zeros(len(self.flat_params), dtype=torch.float32, device=device)
+        return self._bad
+
+    def take_flags(self) -> tuple[torch.Tensor, list[set[int]]]:
+        """The non-finite flags and used-parameter sets gathered since the last call; resets both."""
+        bad, used = self.bad.clone(), self.used
+        self.bad.zero_()
+        self.used = [set() for _ in self.flat_params]
+        return bad, used
 
     @torch.no_grad()
     def finish_backward(self) -> None:

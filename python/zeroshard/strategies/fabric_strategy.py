@@ -405,6 +405,9 @@ class ZeroFabricStrategy(DDPStrategy):
             engine.load_optimizer_state_dict(checkpoint, state, source=f"checkpoint {path}")
             return {}
         _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict)
+        for key, obj in state.items():  # optimizer state checked before the model loads (restore_checks)
+            if isinstance(obj, Optimizer) and key in checkpoint:
+                engine.check_optimizer_state_dict(checkpoint[key], obj, source=f"checkpoint {path} ({key!r})")
         for key, obj in state.items():
             if key not in checkpoint:
                 continue

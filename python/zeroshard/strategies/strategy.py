@@ -84,6 +84,11 @@ class ZeroStrategy(DDPStrategy):
             and replicate across the groups; gradients are reduce-scattered in the group, then all-reduced across
             groups over the shard only (:mod:`zeroshard.sharding.hybrid`). Default: shard over every rank.
         device_mesh: instead of ``shard_group_size``, a 2-D ``(replicate, shard)`` ``DeviceMesh`` (FSDP2's HSDP form).
+        nonfinite: a NaN/inf gradient on any rank, found after the reduction and before any master weight changes:
+            ``"error"`` (default) raises ``NonFiniteGradientError`` on every rank, naming the step and the first
+            bucket; ``"skip"`` skips the step on every rank with a warning (weights and optimizer state unchanged; the
+            Trainer counts the step, as for an fp16 overflow skip); ``"ignore"`` steps as torch does. Under
+            ``precision="16-mixed"`` the loss scaler's overflow skip handles it (:mod:`zeroshard.engine.step_flags`).
         plan_options: with ``stage="auto"``: ``margin`` (fraction of memory kept free, default 0.1), ``micro_batch``
             and ``seq_len`` (for the activation estimate), ``cluster`` (a :class:`zeroshard.plan.Cluster`).
         activation_checkpointing: a module class, tuple of classes or ``callable(name, module) -> bool``: those modules
@@ -143,6 +148,7 @@ class ZeroStrategy(DDPStrategy):
         param_persistence_threshold: int = 0,
         shard_group_size: int | None = None,
         device_mesh=None,
+        nonfinite: Literal["error", "skip", "ignore"] = "error",
         plan_options: dict | None = None,
         activation_checkpointing=None,
         offload_activations: bool = False,
@@ -176,6 +182,7 @@ class ZeroStrategy(DDPStrategy):
                 param_persistence_threshold=param_persistence_threshold,
                 shard_group_size=shard_group_size,
                 device_mesh=device_mesh,
+                nonfinite=nonfinite,
                 plan_options=plan_options,
                 activation_checkpointing=activation_checkpointing,
                 offload_activations=offload_activations,
@@ -408,7 +415,21 @@ class ZeroStrategy(DDPStrategy):
                 return lightning_checkpoint(checkpoint_path, weights_only=weights_only)
             state = load_sharded(self._engine, checkpoint_path, weights_only=weights_only)
             return {**state, "state_dict": {}, "optimizer_states": [], _SHARDED_LOADED: True}
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._check_optimizer_states(checkpoint, checkpoint_path)
+        return checkpoint
+
+    def _check_optimizer_states(self, checkpoint: Mapping[str, Any], path) -> None:
+        """A fit restores the optimizers after the model: their saved state is checked first, so that a checkpoint
+        whose optimizer state does not fit changes nothing (:mod:`zeroshard.optim.restore_checks`)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        states = checkpoint.get("optimizer_states")
+        if self._engine is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not isinstance(states, list) or len(states) != len(self._engine.optimizers):
+            return  # load_optimizer_state_dict (or Lightning) says what is wrong, when it gets there
+        for i, (state, optimizer) in enumerate(zip(states, self._engine.optimizers)):
+            self._engine.check_optimizer_state_dict(state, optimizer, f"checkpoint {path}, optimizer_states[{i}]")
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Full parameters and buffers as CPU copies on rank 0 (``{}`` elsewhere); stage 3 gathers unit by unit."""
