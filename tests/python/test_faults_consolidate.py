@@ -227,6 +227,8 @@ def kills(ckpt, tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     for step in ("consolidate_file", "consolidate_commit"):
         work = base / f"{step}-hf"
         jobs[f"{step}-hf"] = [job(work, "--hf", kill=step), job(work, "--hf")]
+    work = base / "torch"
+    jobs["torch"] = [job(work, "--format", "torch", kill="consolidate_commit"), job(work, "--format", "torch")]
     work = base / "in-place"
     (work / "out").mkdir(parents=True)
     (work / "out" / "tokenizer.json").write_text("{}")  # a user's file beside the output
@@ -303,6 +305,38 @@ def test_killed_hf_export_leaves_no_output(ckpt, kills, step):
     with torch.no_grad():
         got = model(input_ids=FIXED_BATCH).logits
     torch.testing.assert_close(got, torch.load(ckpt.parent / "ref_logits.pt"), rtol=1e-5, atol=1e-5)
+
+
+def test_killed_single_file_format_leaves_no_output(ckpt, kills):
+    """``--format torch`` (one file): killed with the file written under its temporary name, nothing is at ``OUT``;
+    the next run removes the temporary and writes a file ``torch.load`` reads whole."""
+    base, results = kills
+    killed, clean = results["torch"]
+    assert killed["rc"] == -9 and _finals(killed["files"]) == [] and len(killed["files"]) == 1
+    assert clean["rc"] == 0 and list(clean["files"]) == ["out"]
+    got = torch.load(base / "torch" / "out")
+    ref = full_state_dict(ckpt)
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], v) for k, v in ref.items())
+
+
+def test_leftovers_of_a_live_writer_are_kept_and_links_never_followed(tmp_path):
+    """The next run removes a dead run's temporaries (their flock is free), never a live writer's, and removes a
+    planted link of our naming without touching its target."""
+    from zeroshard.checkpoint.atomic_write import StagedDir, clean_leftovers
+
+    out = tmp_path / "out"
+    live = StagedDir(out, lambda n: False, set())
+    dead = tmp_path / f".out.{TAG}{'0' * 16}"
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"partial")
+    target = tmp_path / "precious"
+    target.write_text("keep")
+    (tmp_path / f".out.{TAG}{'1' * 16}").symlink_to(target)
+    removed = clean_leftovers(tmp_path, "out")
+    assert sorted(removed) == [dead.name, f".out.{TAG}{'1' * 16}"]
+    assert live.stage.is_dir() and target.read_text() == "keep"
+    live.write("model.safetensors", b"x")
+    assert live.commit() == [out / "model.safetensors"] and _names(tmp_path) == ["out", "precious"]
 
 
 def test_replacing_a_previous_output_in_place(ckpt, kills):
