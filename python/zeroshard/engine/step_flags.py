@@ -102,34 +102,35 @@ def exchange_flags(
         CollectiveError: the all-reduce failed or timed out (naming it, the step and the rank).
     """
     n = len(sizes)
-    flags = torch.zeros(n + sum(sizes), dtype=torch.float32)
-    offset = n
+    local = [0.0] * sum(sizes)  # built as a list: one tensor op instead of one per bucket
+    offset = 0
     for fi, size in enumerate(sizes):
         if len(used[fi]) == size:
-            flags[offset : offset + size] = 1.0
-        elif used[fi]:
-            flags[[offset + pi for pi in used[fi]]] = 1.0
+            local[offset : offset + size] = [1.0] * size
+        else:
+            for pi in used[fi]:
+                local[offset + pi] = 1.0
         offset += size
-    flags = flags.to(device)
-    flags[:n] = bad.to(device)
-    if dist.get_world_size(group) > 1:
+    flags = torch.cat((bad.to(device, torch.float32), torch.tensor(local, dtype=torch.float32).to(device)))
+    world_size = dist.get_world_size(group)
+    if world_size > 1:
         with named_collective(
             "step-flags all-reduce",
             "the non-finite gradient flags and used-parameter bitmap",
             step=step,
             rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
+            world_size=world_size,
         ):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    host = flags.cpu()
-    bad_any = torch.nonzero(host[:n]).flatten().tolist()
-    unused, offset = [[] for _ in sizes], n
-    if bool(host[n:].all()):  # the common case: every parameter was used somewhere
-        return StepFlags(bad_any[0] if bad_any else None, unused)
-    for fi, size in enumerate(sizes):
-        unused[fi] = torch.nonzero(host[offset : offset + size] == 0).flatten().tolist()
-        offset += size
-    return StepFlags(bad_any[0] if bad_any else None, unused)
+    values = flags.tolist()
+    first = next((fi for fi in range(n) if values[fi] != 0.0), None)
+    unused: list[list[int]] = [[] for _ in sizes]
+    if 0.0 in values[n:]:  # some parameter got no gradient on any rank
+        offset = n
+        for fi, size in enumerate(sizes):
+            unused[fi] = [pi for pi in range(size) if values[offset + pi] == 0.0]
+            offset += size
+    return StepFlags(first, unused)
 
 
 def nonfinite_found(mode: str, step: int, bucket: int, names: list[str], numel: int, overlap_step: bool) -> bool:

@@ -15,9 +15,9 @@ gradient on this rank (since the last reduction, micro-batches included) is kept
 engine's step flags (:mod:`zeroshard.engine.step_flags`): a parameter no rank used must not be stepped.
 
 With ``check_finite``, each reduced gradient shard is summed as its reduction completes (one read of the shard this rank
-holds, no synchronisation; a NaN/inf makes the sum non-finite): :attr:`GradReducer.bad` holds one flag per bucket until
-the engine reads it. A sum that overflows fp32 with finite elements flags too; the engine re-checks flagged buckets
-exactly before acting.
+holds, no synchronisation; a NaN/inf makes the sum non-finite), and :meth:`GradReducer.take_flags` turns the sums into
+one flag per bucket for the engine. A sum that overflows fp32 with finite elements flags too; the engine re-checks
+flagged buckets exactly before acting.
 
 A reduction that fails or times out (a dead or frozen rank) is re-raised as a
 :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the bucket (its index and parameters), the step
@@ -84,7 +84,7 @@ class GradReducer:
         self._handles = []
         self.used: list[set[int]] = [set() for _ in flat_params]  # params with a gradient here since the reduction
         self.check_finite = False
-        self._bad: torch.Tensor | None = None
+        self._sums: list[torch.Tensor | None] = [None] * len(flat_params)  # per bucket, since take_flags
         self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
         for fi, fp in enumerate(flat_params):
             for pi, p in enumerate(fp.params):
@@ -156,9 +156,9 @@ class GradReducer:
         ):
             handle.wait()
         if self.check_finite:  # a NaN/inf makes the sum non-finite: one read of the shard, 30x cheaper than isfinite
-            bad = self.bad
             total = fp.grad_shard.sum(dtype=torch.float32)
-            bad[fi] = torch.maximum(bad[fi], torch.isfinite(total).logical_not().to(bad.dtype))
+            prev = self._sums[fi]
+            self._sums[fi] = total if prev is None else prev + total  # a non-finite sum stays non-finite
         if self.stage == 1:
             fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
         else:
@@ -166,21 +166,18 @@ class GradReducer:
         if self.on_reduced is not None:
             self.on_reduced(fp)
 
-    @property
-    def bad(self) -> torch.Tensor:
-        """float32, one element per bucket on the gradients' device: 1 where a reduced gradient shard's sum was NaN/inf
-        since :meth:`take_flags` (with ``check_finite``)."""
-        if self._bad is None:
-            device = self.flat_params[0].device if self.flat_params else torch.device("cpu")
-            self._bad = torch.zeros(len(self.flat_params), dtype=torch.float32, device=device)
-        return self._bad
-
     def take_flags(self) -> tuple[torch.Tensor, list[set[int]]]:
-        """The non-finite flags and used-parameter sets gathered since the last call; resets both."""
-        bad, used = self.bad.clone(), self.used
-        self.bad.zero_()
+        """Since the last call (then reset): per bucket, 1.0 where a reduced gradient shard's sum was NaN/inf (float32,
+        on the gradients' device; zeros without ``check_finite``), and the indices of the parameters used here."""
+        sums, used = self._sums, self.used
+        self._sums = [None] * len(self.flat_params)
         self.used = [set() for _ in self.flat_params]
-        return bad, used
+        device = self.flat_params[0].device if self.flat_params else torch.device("cpu")
+        if all(t is None for t in sums):
+            return torch.zeros(len(sums), dtype=torch.float32, device=device), used
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        totals = torch.stack([zero if t is None else t for t in sums])
+        return torch.isfinite(totals).logical_not().float(), used
 
     @torch.no_grad()
     def finish_backward(self) -> None:
