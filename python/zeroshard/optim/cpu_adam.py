@@ -16,6 +16,9 @@ from zeroshard import _C
 __all__ = ["CPUAdam"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_EXP_AVG, _EXP_AVG_SQ = operator.itemgetter("exp_avg"), operator.itemgetter("exp_avg_sq")
+_STEP = operator.itemgetter("step")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def step_hooks(func: Callable) -> Callable:
@@ -119,6 +122,7 @@ class CPUAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._plans: dict[int, _GroupPlan] = {}  # by group index; rebuilt when a group's tensors change
+        self._seen: tuple | None = None  # optimizer.state as the last successful step left it (_state_unchanged)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -130,6 +134,7 @@ class CPUAdam(torch.optim.Optimizer):
             if "step" in st:
                 st["step"] = step_count(st["step"])
         self._plans = {}
+        self._seen = None
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format: as ``torch.optim.AdamW.state_dict()``, ``step`` a 0-dim float32 tensor (kept as a plain
@@ -162,8 +167,8 @@ class CPUAdam(torch.optim.Optimizer):
         """Perform one optimization step over every parameter that has a gradient.
 
         One call into the compiled core for all groups (``_C.adam_step_groups``). Each group's parameters and state
-        are checked once, when they first appear (or after the state was replaced); later steps check only the
-        gradients, in C++.
+        are checked once, when they first appear or change (another tensor or storage behind a parameter or its
+        state: see ``_GroupPlan``); later steps compare data pointers, and check the gradients in C++.
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss (run with grad enabled).
@@ -179,6 +184,9 @@ class CPUAdam(torch.optim.Optimizer):
         # No torch.no_grad() here (it costs microseconds a step): the kernel writes through raw pointers, bumping
         # autograd's version counters itself, and the new moments are made from no tensor that requires grad.
         loss = run_closure(closure)
+        state = self.state
+        seen, self._seen = getattr(self, "_seen", None), None  # kept only across successful steps
+        same_state = _state_unchanged(state, seen)
         work, plans = [], []
         for gi, group in enumerate(self.param_groups):
             _check_group(gi, group)
@@ -188,8 +196,8 @@ class CPUAdam(torch.optim.Optimizer):
             else:
                 gl = [grads.get(p, p.grad) for p in params]
             plan = self._plans.get(gi)
-            if plan is None or not plan.current(params, self.state, gl):
-                plan = _GroupPlan(gi, params, self.state, gl, self._new_state)
+            if plan is None or not plan.current(params, state, gl, same_state):
+                plan = _GroupPlan(gi, params, state, gl, self._new_state)
                 self._plans[gi] = plan
             ready = plan.ready_grads(gl)
             beta1, beta2 = group["betas"]
@@ -199,7 +207,8 @@ class CPUAdam(torch.optim.Optimizer):
             plans.append((plan, ready))
         _C.adam_step_groups(work)
         for plan, ready in plans:
-            plan.commit(self.state, ready)
+            plan.commit(state, ready)
+        self._seen = (state, list(state), list(state.values()))
         return loss
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
@@ -217,10 +226,18 @@ class _GroupPlan:
 
     A parameter gets its state the first time it has a gradient (as in torch); the plan is rebuilt then, and whenever
     the group's parameters or their state dicts are no longer the objects it was built from (``load_state_dict``,
-    ``optimizer.state[p] = {...}``). In-place changes to the state tensors need no rebuild.
+    ``optimizer.state[p] = {...}``), or the tensors behind them changed: a parameter's storage (``p.data = new``,
+    ``module.to(dtype)``, ``.bfloat16()``, ``_apply``, ``torch.utils.swap_tensors``) or its ``exp_avg`` /
+    ``exp_avg_sq`` (replaced in the state dict, or their ``.data`` set). In-place changes need no rebuild.
+
+    Staleness is seen by data pointer alone, with no per-tensor dtype or shape read each step (those cost more than
+    the pointers): the core steps detached aliases this plan holds, so every storage it was built on stays allocated
+    and a tensor that gets another storage (a conversion, a copy, a new allocation) cannot come back at the same
+    address. A dtype or size can change at the same address only through a view of the same memory: a reshape, which
+    the flat kernel steps the same, or a shrinking slice, whose gradient the core then refuses by size.
     """
 
-    __slots__ = ("params", "states", "ready", "stateless", "pending", "cpp")
+    __slots__ = ("params", "states", "ready", "stateless", "pending", "cpp", "stepped", "stepped_states", "ptrs")
 
     def __init__(self, gi: int, params: list, state: dict, grads: list, new_state: Callable) -> None:
         self.params = list(params)
@@ -238,42 +255,63 @@ class _GroupPlan:
                 self.stateless.append(i)
                 continue
             self.ready.append(i)
-        tensors = [(self.params[i].detach(), self.states[i].get("exp_avg"), self.states[i].get("exp_avg_sq"))
-                   for i in self.ready]  # fmt: skip
-        for i, (p, m, v) in zip(self.ready, tensors):
-            if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or "step" not in self.states[i]:
-                raise ValueError(
-                    f"CPUAdam param {i} of group {gi} (shape {tuple(p.shape)}): its state lacks step, exp_avg or "
-                    "exp_avg_sq; load a complete Adam/AdamW state_dict"
-                )
+        self.stepped = [self.params[i] for i in self.ready]
+        self.stepped_states = [self.states[i] for i in self.ready]
+        for i, p, st in zip(self.ready, self.stepped, self.stepped_states):
+            _check_state(gi, i, p, st)
         self.cpp = _C.AdamGroup(
-            [t[0] for t in tensors], [t[1] for t in tensors], [t[2] for t in tensors], "CPUAdam", gi
+            [p.detach() for p in self.stepped],
+            [st["exp_avg"].detach() for st in self.stepped_states],
+            [st["exp_avg_sq"].detach() for st in self.stepped_states],
+            "CPUAdam",
+            gi,
         )
+        self.ptrs = self.pointers()
 
-    def current(self, params: list, state: dict, grads: list) -> bool:
-        """Still valid: the same parameters and state dicts, and no gradient for a parameter without state."""
+    def pointers(self) -> list[int]:
+        """Data pointers of every stepped parameter, then of their ``exp_avg``, then of their ``exp_avg_sq``, as the
+        group's objects hold them now (KeyError / TypeError / RuntimeError if a state entry is gone or no tensor)."""
+        sts = self.stepped_states
+        return list(map(_data_ptr, chain(self.stepped, map(_EXP_AVG, sts), map(_EXP_AVG_SQ, sts))))
+
+    def current(self, params: list, state: dict, grads: list, same_state: bool = False) -> bool:
+        """Still valid: the same parameters and state dicts, no gradient for a parameter without state, and the same
+        storages behind the stepped parameters and their moments. ``same_state``: ``state`` is as the last successful
+        step left it (``_state_unchanged``), when every plan's state dicts were ``state``'s: no lookup needed."""
         if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return False
-        if not all(map(operator.is_, map(state.get, params), self.states)):
+        if not same_state and not all(map(operator.is_, map(state.get, params), self.states)):
             return False
-        return not any(grads[i] is not None for i in self.stateless)
+        if any(grads[i] is not None for i in self.stateless):
+            return False
+        try:
+            return self.pointers() == self.ptrs
+        except (KeyError, TypeError, RuntimeError):  # an entry deleted or not a tensor: the rebuild names it
+            return False
 
     def ready_grads(self, grads: list) -> list:
         return grads if not self.stateless else [grads[i] for i in self.ready]
 
     def steps(self) -> list[int]:
-        states = self.states
-        return [states[i]["step"] for i in self.ready]
+        return list(map(_STEP, self.stepped_states))
 
     def commit(self, state: dict, grads: list) -> None:
         """After a successful step: new states join ``optimizer.state``, and each stepped parameter counts a step."""
         for i, st in self.pending.items():
             state[self.params[i]] = st
         self.pending = {}
-        states = self.states
-        for i, g in zip(self.ready, grads):
+        for st, g in zip(self.stepped_states, grads):
             if g is not None:
-                states[i]["step"] += 1
+                st["step"] += 1
+
+
+def _state_unchanged(state: dict, seen: tuple | None) -> bool:
+    """``state`` holds the same keys and value objects, in the same order, as ``seen`` = ``(state, keys, values)``
+    recorded it. Hashes no key (a tensor's ``__hash__`` is a Python call): 0.05 us per entry against 0.15 for
+    ``state.get(param)``."""
+    if seen is None or seen[0] is not state or len(state) != len(seen[1]):
+        return False
+    return all(map(operator.is_, state, seen[1])) and all(map(operator.is_, state.values(), seen[2]))
 
 
 def run_closure(closure: Callable[[], float] | None) -> float | None:
@@ -303,6 +341,27 @@ def step_hyper(state: dict[str, Any], group: dict[str, Any]) -> tuple:
 def step_count(step: Any) -> int:
     """A state's ``step`` as a plain int (torch keeps a 0-dim float tensor; a loaded checkpoint may hold one)."""
     return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any]) -> None:
+    """The state of param ``i`` of group ``gi`` holds ``step`` and fp32 moments of ``p``'s size (the core checks the
+    rest: device, layout, contiguity, aliasing). Raises ValueError naming the parameter and the fix."""
+    what = f"CPUAdam param {i} of group {gi} (shape {list(p.shape)}, {p.dtype})"
+    m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+    if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or "step" not in st:
+        raise ValueError(f"{what}: its state lacks step, exp_avg or exp_avg_sq; load a complete Adam/AdamW state_dict")
+    for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
+        if t.dtype != torch.float32:
+            raise ValueError(
+                f"state['{key}'] of {what} is {t.dtype}; CPUAdam keeps torch.float32 moments (also for bf16 "
+                f"parameters): assign t.float()"
+            )
+        if t.numel() != p.numel():
+            raise ValueError(
+                f"state['{key}'] of {what} has shape {list(t.shape)} ({t.numel()} elements) but the parameter has "
+                f"{p.numel()} (one of them was replaced by a tensor of another size): give both the same size, or "
+                f"`del optimizer.state[param]` to restart its moments"
+            )
 
 
 def _torch_state(st: dict[str, Any]) -> dict[str, Any]:
