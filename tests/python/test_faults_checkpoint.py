@@ -26,6 +26,7 @@ from ckpt_tools import Exploit, edit_index, make_legacy, reseal, version_dir
 from launch import run_ranks
 
 from zeroshard.checkpoint import trainer_state
+from zeroshard.checkpoint.adopt import adopt_checkpoint
 from zeroshard.checkpoint.checkpoint_dir import POINTER, resolve
 from zeroshard.checkpoint.checkpoint_verify import CheckpointError
 from zeroshard.checkpoint.sharded_checkpoint import read_trainer_state, verify
@@ -121,7 +122,8 @@ def test_objects_without_json_form_load_only_with_weights_only_false(tmp_path):
 def test_the_json_decoder_builds_only_data(tmp_path):
     """trainer.json can name no callable: a "dtype" that is a torch function or a numpy object dtype is an error."""
     trainer_state.save(tmp_path, {"a": np.arange(3)})
-    for bad, message in [({"$dtype": "load"}, "'load' is not a torch dtype"), ({"$tensor": "t9"}, "KeyError")]:
+    missing = "names tensor 't9', which trainer.safetensors lacks"
+    for bad, message in [({"$dtype": "load"}, "'load' is not a torch dtype"), ({"$tensor": "t9"}, missing)]:
         (tmp_path / "trainer.json").write_text(json.dumps({"format_version": 1, "state": bad}))
         with pytest.raises(ValueError, match=message):
             trainer_state.load(tmp_path)
@@ -150,6 +152,8 @@ def test_a_crafted_pickle_is_refused_and_runs_no_code(clean, tmp_path):
     legacy = tmp_path / "legacy"
     make_legacy(clean / "ck", legacy)
     torch.save({"tag": "B", "x": Exploit(marker)}, legacy / "trainer.pt")
+    adopt_checkpoint(legacy)  # a directory without a manifest loads only once adopted; adopting unpickles nothing
+    assert not marker.exists()
     with pytest.raises(UnsafeCheckpointError, match=r"legacy/trainer\.pt needs pickle.*weights_only=False"):
         read_trainer_state(legacy)
     assert not marker.exists()
@@ -269,8 +273,10 @@ def test_a_directory_that_is_no_checkpoint_says_what_it_lacks(clean, tmp_path):
     legacy = tmp_path / "legacy"
     make_legacy(clean / "ck", legacy)
     (legacy / "index.json").write_text('{"world_size": 2, ')
-    with pytest.raises(CheckpointError, match=r"legacy: index\.json is not valid JSON \(Expecting"):
+    with pytest.raises(CheckpointError, match=r"legacy has no manifest\.json"):  # refused until adopted
         verify(legacy)
+    with pytest.raises(CheckpointError, match=r"legacy: index\.json is not valid JSON \(Expecting"):
+        adopt_checkpoint(legacy)
     (legacy / "index.json").unlink()
     with pytest.raises(ValueError, match=r"has no LATEST .* and no index\.json"):
         verify(legacy)
@@ -340,11 +346,13 @@ def test_a_kill_at_each_save_step_loads_the_old_or_the_new_checkpoint(tmp_path, 
 
 def test_the_single_version_layout_loads_and_is_replaced_by_versions(clean, tmp_path):
     make_legacy(clean / "ck", tmp_path / "ck")
+    adopt_checkpoint(tmp_path / "ck")  # it has no manifest: adopted by hand first (zeroshard.checkpoint.adopt)
     for ref in ("A.pt", "B.pt"):
         shutil.copy(clean / ref, tmp_path / ref)
     out = run_ranks(SCRIPT, ["load", str(tmp_path)], timeout=TIMEOUT)
     assert "LOADED B" in out[0] and f"loaded sharded checkpoint {tmp_path / 'ck'}, version legacy (" in out[0]
     after = eval(re.search(r"AFTER (\[.*\])", out[0]).group(1))
     # the old layout is the previous version until the next save commits
-    assert after == ["LATEST", "index.json", "rank00000.safetensors", "rank00001.safetensors", "trainer.pt", "v00001"]
+    legacy = ["index.json", "manifest.json", "rank00000.safetensors", "rank00001.safetensors", "trainer.pt"]
+    assert after == ["LATEST", *legacy, "v00001"]
     assert resolve(tmp_path / "ck").version == "v00001"

@@ -17,6 +17,17 @@ single atomic step: before it ``LATEST`` names the old version, after it the new
 on disk at that moment (fsynced before the commit), so a crash at any point loads either the old or the new
 checkpoint. Uncommitted version directories left by a crash are never read and are deleted by the next save.
 
+A failed commit (``LATEST.tmp`` written, then ``os.replace`` or the fsync after it failed) leaves a complete but
+uncommitted version and ``LATEST.tmp``. Neither is ever read (a load reads ``LATEST`` only), and the next save cleans
+both: it numbers its version after every ``v*`` entry present, replaces ``LATEST.tmp`` (unlinked, then created anew) by
+its own pointer, and after its commit deletes every version but the previous committed one and its own. (If the
+failed commit had already replaced ``LATEST``, the "uncommitted" version is in fact the committed one, and is kept.)
+
+The directory may have been written by someone else (:mod:`zeroshard.checkpoint.safe_paths`): the pointer and the
+version it names must be a regular file and a real directory inside it, never symbolic links, and the pointer's
+temporary file is created exclusively (``O_CREAT | O_EXCL | O_NOFOLLOW`` after unlinking whatever has its name), so a
+planted ``LATEST.tmp`` link is never written through and ``LATEST`` is always a regular file.
+
 One case keeps two renames: when ``path`` is a symbolic link or a file (Lightning's ``save_last="link"`` makes
 ``last.ckpt`` a link), a directory cannot replace it atomically. The whole new checkpoint (version and pointer) is then
 built in ``<path>.partial``, the link is removed and ``.partial`` renamed to ``path``; between the two, :func:`resolve`
@@ -41,6 +52,9 @@ import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+from zeroshard.checkpoint import bounded_json
+from zeroshard.checkpoint.safe_paths import create_exclusive, kind, real_dir, regular_file
 
 POINTER = "LATEST"
 LEGACY = "legacy"  # the version name of the single-version layout (index.json directly in the directory)
@@ -76,22 +90,26 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` and fsyncs it (the directory entry is made durable by the caller's dir fsync)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes ``data`` to a new file at ``path`` and fsyncs it (the directory entry is made durable by the caller's dir
+    fsync). Whatever had the name is unlinked first and the file created exclusively, so a planted link is never
+    followed (:func:`zeroshard.checkpoint.safe_paths.create_exclusive`)."""
+    create_exclusive(path, data)
 
 
 def version_name(n: int) -> str:
     return f"v{n:05d}"
 
 
-def _versions(root: Path) -> list[str]:
-    """Version directories under ``root``, oldest first (committed or not)."""
+def _versions(root: Path, dirs_only: bool = True) -> list[str]:
+    """Version directories under ``root``, oldest first (committed or not); with ``dirs_only=False`` every entry with a
+    version name (links and files too: a new version's number must not collide with any)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p.name) for p in root.iterdir() if p.is_dir() and (m := _VERSION.match(p.name))]
+    found = [
+        (int(m.group(1)), p.name)
+        for p in root.iterdir()
+        if (m := _VERSION.match(p.name)) and (not dirs_only or kind(root, p.name) == "dir")
+    ]
     return [name for _, name in sorted(found)]
 
 
@@ -102,12 +120,13 @@ def read_pointer(root: Path) -> dict:
         ValueError: the pointer is not the JSON object a save writes (it is replaced atomically, so this means it was
             edited or the disk corrupted it).
     """
-    file = root / POINTER
+    regular_file(root, POINTER, "the directory")  # a link or a non-file is refused, naming nothing outside
     try:
-        pointer = json.loads(file.read_text())
-        if not (isinstance(pointer, dict) and _VERSION.match(pointer["version"]) and pointer["manifest_sha256"]):
+        pointer = bounded_json.read(root, POINTER, "the directory", max_bytes=4096, max_depth=1)
+        ok = isinstance(pointer, dict) and isinstance(pointer.get("version"), str)
+        if not (ok and _VERSION.fullmatch(pointer["version"]) and isinstance(pointer.get("manifest_sha256"), str)):
             raise ValueError("not a pointer object")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise ValueError(
             f"sharded checkpoint {root}: {POINTER} is corrupt ({e}); it should be "
             '{"version": "v00001", "manifest_sha256": ...}. Load a version directory directly, e.g. '
@@ -137,22 +156,22 @@ def resolve(path: str | os.PathLike, index_name: str = "index.json") -> Resolved
     root = Path(path)
     if not root.exists():
         partial = root.with_name(root.name + ".partial")
-        if (partial / POINTER).is_file():  # a save replacing a link or file stopped between its two renames
+        if _committed_partial(partial):  # a save replacing a link or file stopped between its two renames
             root = partial
         else:
             raise FileNotFoundError(f"sharded checkpoint {root} does not exist")
     if not root.is_dir():
         raise ValueError(f"{root} is a file, not a sharded checkpoint directory")
-    if (root / POINTER).is_file():
-        pointer = read_pointer(root)
-        version = root / pointer["version"]
-        if not version.is_dir():
+    if kind(root, POINTER) != "missing":
+        pointer = read_pointer(root)  # a link or non-file pointer is refused there
+        if kind(root, pointer["version"]) == "missing":
             raise ValueError(
                 f"sharded checkpoint {root}: {POINTER} names {pointer['version']}, which is missing "
                 f"(versions present: {_versions(root) or 'none'})"
             )
+        version = real_dir(root, pointer["version"], POINTER)  # never a link out of the directory
         return Resolved(root, version, pointer["version"], pointer["manifest_sha256"])
-    if (root / index_name).is_file():
+    if kind(root, index_name) == "file":
         name = root.name if _VERSION.match(root.name) else LEGACY
         return Resolved(root, root, name, None)
     held = sorted(p.name for p in root.iterdir())
@@ -167,6 +186,20 @@ def resolve(path: str | os.PathLike, index_name: str = "index.json") -> Resolved
         f"{' ...' if len(held) > 12 else ''}. Pass a directory written by ZeroStrategy(state_dict_type='sharded') "
         "or zeroshard.checkpoint.sharded_checkpoint.save_sharded"
     )
+
+
+def _committed_partial(partial: Path) -> bool:
+    """Whether ``<path>.partial`` is a real directory (not a link) holding a pointer."""
+    return kind(partial.parent, partial.name) == "dir" and kind(partial, POINTER) == "file"
+
+
+def committed_version(path: str | os.PathLike) -> str | None:
+    """The version a load of ``path`` would read (``"v00007"`` or ``LEGACY``), or None when nothing is committed
+    there (or it cannot be told); never raises. For error messages."""
+    try:
+        return resolve(path).version
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass
@@ -191,25 +224,27 @@ def begin(path: str | os.PathLike) -> Pending:
     """
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    if not path.exists() and not path.is_symlink() and (partial / POINTER).is_file():
+    if not path.exists() and not path.is_symlink() and _committed_partial(partial):
         partial.rename(path)
         fsync_dir(path.parent)
     replace = path.is_symlink() or (path.exists() and not path.is_dir())
     if replace:
+        if partial.is_symlink() or (partial.exists() and not partial.is_dir()):
+            partial.unlink()  # never build the new checkpoint through a link
         shutil.rmtree(partial, ignore_errors=True)
         root, previous = partial, None
     else:
         root = path
         previous = None
-        if (root / POINTER).is_file():
+        if kind(root, POINTER) != "missing":
             previous = read_pointer(root)["version"]
-        elif (root / "index.json").is_file():
+        elif kind(root, "index.json") == "file":
             previous = LEGACY
     created = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     if created:
         fsync_dir(root.parent)
-    existing = _versions(root)
+    existing = _versions(root, dirs_only=False)
     last = int(_VERSION.match(existing[-1]).group(1)) if existing else 0
     pending = Pending(path, root, version_name(last + 1), previous)
     pending.dir.mkdir()
@@ -219,7 +254,8 @@ def begin(path: str | os.PathLike) -> Pending:
 
 def commit(pending: Pending, manifest_sha256: str, rank: int = 0) -> None:
     """The commit point: atomically points ``LATEST`` at the new version (all its files already fsynced), then, for a
-    link or file at ``path``, swaps ``<path>.partial`` in."""
+    link or file at ``path``, swaps ``<path>.partial`` in. ``LATEST.tmp`` is created exclusively (a planted link is
+    removed, not followed), and ``os.replace`` replaces the entry ``LATEST`` itself, so ``LATEST`` is a regular file."""
     fsync_dir(pending.dir)
     tmp = pending.root / (POINTER + ".tmp")
     write_durable(tmp, json.dumps({"version": pending.version, "manifest_sha256": manifest_sha256}).encode())

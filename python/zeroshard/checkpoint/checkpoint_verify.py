@@ -2,10 +2,17 @@
 
 1. Files: ``manifest.json`` lists the size and SHA-256 of every other file of the version (``index.json``, the rank
    files, the trainer state); the pointer (``LATEST``, :mod:`zeroshard.checkpoint.checkpoint_dir`) holds the manifest's
-   own SHA-256, so a changed byte anywhere, the index included, is caught and the file named. (The older single-version
-   layout has no manifest: its rank files are checked against the index's sizes and hashes.)
+   own SHA-256, so a changed byte anywhere, the index included, is caught and the file named. The manifest is
+   required: a directory without one (the older single-version layout, or a version whose manifest was lost) is
+   refused, and can be checked and adopted by hand with ``python -m zeroshard.checkpoint.adopt DIR``
+   (:mod:`zeroshard.checkpoint.adopt`). Every name the manifest and index give must be a plain name of a regular file
+   inside the directory (:mod:`zeroshard.checkpoint.safe_paths`): ``..``, absolute paths and symbolic links are
+   refused before anything is opened, and errors say nothing about files outside the directory.
 2. Layout: the index is consistent (names, shapes and offsets fit each flat buffer; one rank file per saving rank)
-   and agrees with every rank file's safetensors header (each shard's element count and dtype).
+   and agrees with every rank file's safetensors header (each shard's element count and dtype). Every size is checked
+   before it is used: ``world_size`` against the number of rank files listed (so ``10**9`` is refused at once), shapes
+   as lists of at most 64 non-negative ints whose products fit the flat buffer of ``world_size * shard_numel``
+   elements that the headers hold, and JSON depth and size (:mod:`zeroshard.checkpoint.bounded_json`).
 3. Model (:func:`check_model`, on load into an engine): every parameter and persistent buffer of the model is in the
    checkpoint with the same shape, and the same dtype (or, for floating dtypes, another floating dtype: values are
    converted, as ``load_state_dict`` does; a run saved in fp32 may resume in bf16), and the checkpoint holds nothing
@@ -17,18 +24,24 @@ file or the parameter and both values.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
-from zeroshard.checkpoint.checkpoint_dir import Resolved
+from zeroshard.checkpoint import bounded_json
+from zeroshard.checkpoint.checkpoint_dir import POINTER, Resolved
+from zeroshard.checkpoint.safe_paths import CheckpointError, create_exclusive, regular_file, sha256_of
 
+__all__ = ["CheckpointError", "check_headers", "check_index", "check_model", "verify_files", "write_manifest"]
 INDEX = "index.json"
 MANIFEST = "manifest.json"
+MAX_DIMS = 64  # torch's own limit on a tensor's dimensions
+_RANK_FILE = re.compile(r"rank(\d{5,10})\.safetensors")
+_ADOPT = "python -m zeroshard.checkpoint.adopt"
 _ST_NAMES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
     "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -36,88 +49,125 @@ _ST_NAMES = {
 _FLOATING = {"F64", "F32", "F16", "BF16"}
 
 
-class CheckpointError(ValueError):
-    """A sharded checkpoint is corrupt, inconsistent or does not fit the model."""
-
-
 def rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The SHA-256 (hex) of the regular file ``path`` (not followed if a link: refused)."""
+    return sha256_of(path.parent, path.name, "the checkpoint")
 
 
 def file_entry(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+    return {"bytes": regular_file(path.parent, path.name, "the checkpoint").st_size, "sha256": sha256(path)}
 
 
 def write_manifest(directory: Path, entries: dict[str, dict[str, Any]]) -> str:
-    """Writes ``manifest.json`` (``{"files": {name: {"bytes", "sha256"}}}``) and returns its SHA-256 (for the
-    pointer). Not fsynced here."""
-    (directory / MANIFEST).write_text(json.dumps({"format_version": 1, "files": entries}, indent=1, sort_keys=True))
+    """Writes ``manifest.json`` (``{"files": {name: {"bytes", "sha256"}}}``), created exclusively and fsynced, and
+    returns its SHA-256 (for the pointer)."""
+    text = json.dumps({"format_version": 1, "files": entries}, indent=1, sort_keys=True)
+    create_exclusive(directory / MANIFEST, text.encode())
     return sha256(directory / MANIFEST)
 
 
+def open_safetensors(directory: Path, name: str):
+    """``safe_open`` of the regular file ``directory/name`` (a plain name, not a link); its errors name the file.
+
+    Raises:
+        CheckpointError: not a regular file inside ``directory``, or not a valid safetensors file.
+    """
+    regular_file(directory, name, "the checkpoint")
+    try:
+        return safe_open(str(directory / name), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise CheckpointError(
+            f"sharded checkpoint {directory}: {name} is not a valid safetensors file ({type(e).__name__}: "
+            f"{str(e)[:200]})"
+        ) from None
+
+
+def _check_meta(directory: Path, name: str, meta: Any, listed_in: str) -> None:
+    ok = isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and not isinstance(meta["bytes"], bool)
+    if not (ok and meta["bytes"] >= 0 and isinstance(meta.get("sha256"), str)):
+        raise CheckpointError(
+            f'sharded checkpoint {directory}: {listed_in} lists {name} as {str(meta)[:100]}; expected {{"bytes": '
+            'int, "sha256": str}'
+        )
+
+
 def _check_file(directory: Path, name: str, meta: dict[str, Any], listed_in: str) -> None:
-    file = directory / name
-    if not file.is_file():
-        raise FileNotFoundError(f"sharded checkpoint {directory}: {name} is missing ({listed_in} lists it)")
-    size = file.stat().st_size
+    """``name`` (a plain name of a regular file inside ``directory``) has the size and SHA-256 ``meta`` says."""
+    size = regular_file(directory, name, listed_in).st_size  # outside names and links refused before any stat
     if size != meta["bytes"]:
         raise CheckpointError(
             f"sharded checkpoint {directory}: {name} has {size} bytes, {listed_in} says {meta['bytes']} (truncated "
             "or changed)"
         )
-    if sha256(file) != meta["sha256"]:
+    if sha256_of(directory, name, listed_in) != meta["sha256"]:
         raise CheckpointError(f"sharded checkpoint {directory}: {name} is corrupt (SHA-256 differs from {listed_in})")
 
 
 def _read_json(directory: Path, name: str) -> Any:
+    """The JSON in ``directory/name``, size and depth bounded (:mod:`zeroshard.checkpoint.bounded_json`)."""
     try:
-        return json.loads((directory / name).read_text())
+        return bounded_json.read(directory, name, "the checkpoint")
     except FileNotFoundError:
         raise FileNotFoundError(f"sharded checkpoint {directory}: {name} is missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"sharded checkpoint {directory}: {name} is not valid JSON ({e})") from None
+
+
+def missing_manifest(directory: Path) -> CheckpointError:
+    """The refusal of a version directory without ``manifest.json``, with the way to adopt it."""
+    return CheckpointError(
+        f"sharded checkpoint {directory} has no {MANIFEST}, so its files cannot be verified, and it is not loaded "
+        "(every save since versioned checkpoints writes one; a directory lacks it when an older zeroshard wrote it, or "
+        "when the manifest was lost or removed). If you trust these files, check and adopt them by hand: "
+        f"`{_ADOPT} "
+        f"{directory}` (or zeroshard.checkpoint.adopt.adopt_checkpoint(path)) checks the rank files against the "
+        f"index's sizes and SHA-256, the index against their safetensors headers and the trainer state's structure, "
+        f"then writes {MANIFEST}"
+    )
 
 
 def verify_files(where: Resolved) -> dict[str, Any]:
     """Checks every file of the resolved version (module docstring, step 1) and the index (step 2); returns the index.
 
     Raises:
-        FileNotFoundError: a listed file is missing. CheckpointError: a changed, truncated or inconsistent file.
+        FileNotFoundError: a listed file is missing. CheckpointError: a changed, truncated, inconsistent or unconfined
+            file, or no manifest.
     """
     d = where.dir
-    if (d / MANIFEST).is_file() or where.manifest_sha256 is not None:
-        if where.manifest_sha256 is not None and sha256(d / MANIFEST) != where.manifest_sha256:
-            raise CheckpointError(
-                f"sharded checkpoint {d}: {MANIFEST} is corrupt (SHA-256 differs from {where.root / 'LATEST'})"
-            )
-        manifest = _read_json(d, MANIFEST)
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict) or INDEX not in files:
-            raise CheckpointError(f"sharded checkpoint {d}: {MANIFEST} lists no {INDEX}")
-        for name, meta in files.items():
-            _check_file(d, name, meta, MANIFEST)
-        index = _read_json(d, INDEX)
-        check_index(d, index)
-        unlisted = sorted(set(index["files"]) - set(files))
-        if unlisted:
-            raise CheckpointError(f"sharded checkpoint {d}: {INDEX} names {unlisted}, which {MANIFEST} does not list")
-    else:
-        if not (d / INDEX).is_file():
-            raise CheckpointError(f"sharded checkpoint {d}: {INDEX} is missing")
-        index = _read_json(d, INDEX)
-        check_index(d, index)
-        for name, meta in index["files"].items():
-            _check_file(d, name, meta, INDEX)
+    try:
+        regular_file(d, MANIFEST, POINTER)
+    except FileNotFoundError:
+        raise missing_manifest(d) from None
+    if where.manifest_sha256 is not None and sha256(d / MANIFEST) != where.manifest_sha256:
+        raise CheckpointError(
+            f"sharded checkpoint {d}: {MANIFEST} is corrupt (SHA-256 differs from {where.root / POINTER})"
+        )
+    manifest = _read_json(d, MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or INDEX not in files:
+        raise CheckpointError(f"sharded checkpoint {d}: {MANIFEST} lists no {INDEX}")
+    for name, meta in files.items():  # every name confined and every entry well-formed before any file is hashed
+        regular_file(d, name, MANIFEST)
+        _check_meta(d, name, meta, MANIFEST)
+    for name, meta in files.items():
+        _check_file(d, name, meta, MANIFEST)
+    index = _read_json(d, INDEX)
+    check_index(d, index)
+    unlisted = sorted(set(index["files"]) - set(files))
+    if unlisted:
+        raise CheckpointError(f"sharded checkpoint {d}: {INDEX} names {unlisted}, which {MANIFEST} does not list")
     check_headers(d, index)
     return index
+
+
+def check_index_files(directory: Path, index: dict[str, Any]) -> None:
+    """The rank files against the sizes and SHA-256 the index lists (what :mod:`.adopt` can check without a
+    manifest). Call after :func:`check_index`."""
+    for name, meta in index["files"].items():
+        _check_meta(directory, name, meta, INDEX)
+        _check_file(directory, name, meta, INDEX)
 
 
 def check_index(directory: Path, index: Any) -> None:
@@ -132,33 +182,52 @@ def check_index(directory: Path, index: Any) -> None:
     for key in ("world_size", "flat_params", "optimizer", "files"):
         if key not in index:
             raise bad(f"lacks {key!r}")
-    world = index["world_size"]
-    if not isinstance(world, int) or world < 1:
+    world, files = index["world_size"], index["files"]
+    if not _is_int(world) or world < 1:
         raise bad(f"has world_size {world!r}; expected a positive int")
-    expected = {rank_file(r) for r in range(world)}
-    if set(index["files"]) != expected:
-        raise bad(f"lists rank files {sorted(index['files'])}, but world_size {world} means {sorted(expected)}")
+    if not isinstance(files, dict):
+        raise bad(f"has files {str(files)[:100]}; expected an object of rank file names")
+    # bounded by the files listed (which a JSON of bounded size holds), never by world_size itself
+    parsed = [(name, _RANK_FILE.fullmatch(name)) for name in files if isinstance(name, str)]
+    ranks = {int(m.group(1)) for name, m in parsed if m and name == rank_file(int(m.group(1)))}
+    if len(files) != world or ranks != set(range(len(files))):
+        means = [rank_file(r) for r in range(world)] if world <= 16 else f"{rank_file(0)} .. {rank_file(world - 1)}"
+        raise bad(f"lists rank files {sorted(map(str, files))[:16]}, but world_size {world} means {means}")
+    if not isinstance(index["flat_params"], list):
+        raise bad("has flat_params that is not a list")
     for i, entry in enumerate(index["flat_params"]):
+        if not isinstance(entry, dict):
+            raise bad(f"flat parameter {i} is not an object")
         names, shapes, offsets = entry.get("names"), entry.get("shapes"), entry.get("offsets")
         shard = entry.get("shard_numel")
         if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(offsets, list)):
             raise bad(f"flat parameter {i} lacks names, shapes or offsets")
         if not len(names) == len(shapes) == len(offsets):
             raise bad(f"flat parameter {i}: {len(names)} names, {len(shapes)} shapes, {len(offsets)} offsets")
-        if not isinstance(shard, int) or shard < 0:
+        if not _is_int(shard) or shard < 0:
             raise bad(f"flat parameter {i}: shard_numel {shard!r}")
-        if entry.get("dtype") not in _ST_NAMES:
-            raise bad(f"flat parameter {i}: dtype {entry.get('dtype')!r}")
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _ST_NAMES:
+            raise bad(f"flat parameter {i}: dtype {str(entry.get('dtype'))[:40]!r}")
         end = 0
         for name, shape, offset in zip(names, shapes, offsets):
-            numel = math.prod(shape) if isinstance(shape, list) and all(isinstance(s, int) for s in shape) else -1
-            if numel < 0 or not isinstance(offset, int) or offset < end:
+            if not isinstance(name, str):
+                raise bad(f"flat parameter {i}: parameter name {str(name)[:60]!r} is not a string")
+            if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(_is_int(s) and s >= 0 for s in shape)):
+                raise bad(
+                    f"parameter {name}: shape {str(shape)[:100]}; expected a list of at most {MAX_DIMS} non-negative "
+                    "ints"
+                )
+            if not _is_int(offset) or offset < end:
                 raise bad(f"parameter {name}: shape {shape} at offset {offset} overlaps the previous parameter")
-            end = offset + numel
+            end = offset + math.prod(shape)
         if end > world * shard:
             raise bad(
                 f"parameter {names[-1]}: ends at element {end}, past the flat buffer's {world} x {shard} elements"
             )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_headers(directory: Path, index: dict[str, Any]) -> None:
@@ -166,12 +235,17 @@ def check_headers(directory: Path, index: dict[str, Any]) -> None:
     elements, the parameter shard the index's dtype, the master fp32, and no flat index is beyond the index's."""
     entries = index["flat_params"]
     for name in sorted(index["files"]):
-        with safe_open(str(directory / name), framework="pt") as f:
+        with open_safetensors(directory, name) as f:
             for key in f.keys():
                 if not key.startswith("flat."):
                     continue
-                i_text, kind = key[5:].split(".", 1)
-                i = int(i_text)
+                m = re.fullmatch(r"flat\.(\d{1,9})\.(param|master|optim\..+)", key)
+                if m is None:
+                    raise CheckpointError(
+                        f"sharded checkpoint {directory}: {name} holds {key[:100]!r}; expected flat.<i>.param, "
+                        "flat.<i>.master or flat.<i>.optim.<key>"
+                    )
+                i, kind = int(m.group(1)), m.group(2)
                 if i >= len(entries):
                     raise CheckpointError(
                         f"sharded checkpoint {directory}: {name} holds {key}, but {INDEX} lists {len(entries)} flat "
@@ -200,7 +274,7 @@ def saved_tensors(directory: Path, index: dict[str, Any]) -> dict[str, tuple[lis
     for entry in index["flat_params"]:
         for name, shape in zip(entry["names"], entry["shapes"]):
             out[name] = (list(shape), _ST_NAMES[entry["dtype"]])
-    with safe_open(str(directory / rank_file(0)), framework="pt") as f:
+    with open_safetensors(directory, rank_file(0)) as f:
         for key in f.keys():
             if key.startswith(("param.", "buffer.")):
                 sl = f.get_slice(key)

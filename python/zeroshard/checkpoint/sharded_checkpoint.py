@@ -23,11 +23,14 @@ Layout of a checkpoint directory (the commit protocol: :mod:`zeroshard.checkpoin
 No rank gathers anything to save. Every file is fsynced before the commit, so a crash at any point of a save leaves
 ``LATEST`` naming a complete version: the old one before the commit, the new one after. Loading verifies every file
 and the layout against the safetensors headers and the model before changing any state
-(:mod:`zeroshard.checkpoint.checkpoint_verify`) and logs which version it loaded. The older single-version layout
-(``index.json`` directly in the directory, ``trainer.pt``) still loads. On load each rank works out, from the saved
-layouts and its own new ones (``FlatParamLayout.shard_slices``), which element ranges of which saved shards it needs
-and reads only those (safetensors slices are memory-mapped), so N ranks can save and M ranks load (DeepSpeed needs an
-offline conversion for that; FSDP2 does it through DCP).
+(:mod:`zeroshard.checkpoint.checkpoint_verify`) and logs which version it loaded. A directory without a manifest (the
+older single-version layout, ``index.json`` directly in the directory and ``trainer.pt``, or a version whose manifest
+was lost) is refused until adopted by hand: ``python -m zeroshard.checkpoint.adopt DIR``. Every file of a save is
+created inside the version directory the save has just made (``mkdir`` fails on any existing entry, a planted link
+included), and the pointer exclusively, so no planted name redirects a write. On load each rank works out, from the
+saved layouts and its own new ones (``FlatParamLayout.shard_slices``), which element ranges of which saved shards it
+needs and reads only those (safetensors slices are memory-mapped), so N ranks can save and M ranks load (DeepSpeed
+needs an offline conversion for that; FSDP2 does it through DCP).
 """
 
 from __future__ import annotations
@@ -53,15 +56,18 @@ from zeroshard.checkpoint.checkpoint_verify import (
     CheckpointError,
     check_model,
     file_entry,
+    open_safetensors,
     verify_files,
     write_manifest,
 )
 from zeroshard.checkpoint.checkpoint_verify import rank_file as _rank_file
 from zeroshard.checkpoint.hf_export import describe_hf_models
+from zeroshard.checkpoint.safe_paths import create_exclusive
 
 __all__ = ["CheckpointError", "is_sharded_checkpoint", "load_sharded", "read_trainer_state", "save_sharded", "verify"]
 FORMAT_VERSION = 2
-_LEGACY_FILES = [INDEX, trainer_state_module.LEGACY, "rank*.safetensors"]
+# the single-version layout's files (its manifest.json, if adopted: zeroshard.checkpoint.adopt), deleted once replaced
+_LEGACY_FILES = [INDEX, trainer_state_module.LEGACY, "rank*.safetensors", MANIFEST]
 
 
 def _rank_tensors(engine) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
@@ -114,7 +120,14 @@ def _error(path: Path, rank: int, step: str, e: BaseException) -> dict[str, str]
     after = {
         "cleaning up": "the new checkpoint is committed",
         "committing": "the checkpoint is the previous or the new version, whole (a load logs which)",
-    }.get(step, "the previous checkpoint is untouched")
+    }.get(step)
+    if after is None:  # before the commit: say what a load finds now (there may have been no previous checkpoint)
+        previous = checkpoint_dir.committed_version(path)
+        after = (
+            f"the previous checkpoint ({previous}) is untouched"
+            if previous
+            else "no checkpoint was committed there before this save, and none is now"
+        )
     return {"error": f"sharded checkpoint {path}: rank {rank} failed {step} ({type(e).__name__}: {e}); {after}"}
 
 
@@ -183,7 +196,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
                 "aliases": _aliases(engine.module),
                 "hf_models": describe_hf_models(engine.module),  # what `consolidate --hf` needs: prefix, config
             }
-            (pending.dir / INDEX).write_text(json.dumps(index, indent=1, default=str))
+            create_exclusive(pending.dir / INDEX, json.dumps(index, indent=1, default=str).encode())
             written = [INDEX, *trainer_state_module.save(pending.dir, trainer_state or {})]
             for name in written:
                 fsync_file(pending.dir / name)
@@ -254,7 +267,7 @@ class _SavedShards:
 
     def _file(self, rank: int):
         if rank not in self._files:
-            self._files[rank] = safe_open(str(self.path / _rank_file(rank)), framework="pt")
+            self._files[rank] = open_safetensors(self.path, _rank_file(rank))  # errors name the file
         return self._files[rank]
 
     def read(self, kind: str, name: str, start: int, end: int, out: torch.Tensor) -> bool:
