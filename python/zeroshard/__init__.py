@@ -20,12 +20,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from zeroshard import _C, ops  # noqa: F401
 from zeroshard.checkpoint.load_from_checkpoint import load_from_checkpoint
+from zeroshard.checkpoint.safe_paths import CheckpointError
 from zeroshard.engine.config import ZeroConfig
 from zeroshard.engine.engine import ZeroEngine
+from zeroshard.engine.step_flags import NonFiniteGradientError
 from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.meta_init import init_meta_context
 from zeroshard.optim.cpu_adam import CPUAdam
+from zeroshard.optim.restore_checks import OptimizerRestoreError
 from zeroshard.pretrained import load_pretrained
 from zeroshard.sharding.collective_errors import CollectiveError, DivergedRanksError
 from zeroshard.sharding.managed import engine_of
@@ -38,8 +41,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUAdam",
+    "CheckpointError",
     "CollectiveError",
     "DivergedRanksError",
+    "NonFiniteGradientError",
+    "OptimizerRestoreError",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricPrecision",
