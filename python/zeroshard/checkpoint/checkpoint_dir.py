@@ -34,8 +34,9 @@ built in ``<path>.partial``, the link is removed and ``.partial`` renamed to ``p
 finds the committed checkpoint in ``.partial`` and loads it (its pointer and manifest verify it), and the next save
 finishes the rename.
 
-The older single-version layout (``index.json`` directly in ``path``) still loads and counts as the previous version
-when a new one is saved into the same directory.
+The older single-version layout (``index.json`` directly in ``path``) loads once adopted by hand (it has no manifest:
+``python -m zeroshard.checkpoint.adopt``), and counts as the previous version when a new one is saved into the same
+directory.
 
 Test hook: ``ZEROSHARD_TEST_KILL_AT=<step>[:<rank>]`` makes :func:`kill_point` SIGKILL the process (only that rank,
 if given) at the named step of a save; used only by ``tests/python/test_faults_checkpoint.py``. Steps, in order:

@@ -137,7 +137,7 @@ def verify_files(where: Resolved) -> dict[str, Any]:
     """
     d = where.dir
     try:
-        regular_file(d, MANIFEST, POINTER)
+        regular_file(d, MANIFEST, "the checkpoint layout")
     except FileNotFoundError:
         raise missing_manifest(d) from None
     if where.manifest_sha256 is not None and sha256(d / MANIFEST) != where.manifest_sha256:
