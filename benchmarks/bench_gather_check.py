@@ -37,22 +37,20 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
+from rank_launch import gpt_step_parser, worker_or_two_ranks  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 from zeroshard.sharding import gather_check  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=256)
-    p.add_argument("--n_head", type=int, default=4)
-    p.add_argument("--block_size", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each engine per round)")
-    p.add_argument("--warmup", type=int, default=3)
+    p = gpt_step_parser(
+        __doc__.split("\n")[0],
+        REPO / "benchmarks" / "results" / "gather_check_cpu.json",
+        n_embd=256,
+        block_size=128,
+        batch=8,
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "gather_check_cpu.json"))
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -218,15 +216,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    sys.path.insert(0, str(REPO / "tests" / "python"))
-    from launch import run_ranks
-
-    outs = run_ranks(Path(__file__), [*sys.argv[1:], "--worker"], world_size=2, timeout=3600)
-    print(outs[0])
+    worker_or_two_ranks(Path(__file__), parse_args(), worker)
 
 
 if __name__ == "__main__":

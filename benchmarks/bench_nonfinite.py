@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
 from gpt import GPT, Block, GPTConfig  # noqa: E402
-from rank_launch import machine, versions  # noqa: E402
+from rank_launch import gpt_step_parser, machine, versions, worker_or_two_ranks  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 from zeroshard.engine.engine import _comm_device  # noqa: E402
 from zeroshard.engine.step_flags import exchange_flags  # noqa: E402
@@ -42,17 +42,8 @@ NAMES = ("error", "ignore", "no_flags")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=128)
-    p.add_argument("--n_head", type=int, default=4)
-    p.add_argument("--block_size", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each engine per round)")
-    p.add_argument("--warmup", type=int, default=3)
+    p = gpt_step_parser(__doc__.split("\n")[0], REPO / "benchmarks" / "results" / "nonfinite_cpu.json")
     p.add_argument("--stages", default="2,3")
-    p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "nonfinite_cpu.json"))
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -194,15 +185,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    sys.path.insert(0, str(REPO / "tests" / "python"))
-    from launch import run_ranks
-
-    outs = run_ranks(Path(__file__), [*sys.argv[1:], "--worker"], world_size=2, timeout=3600)
-    print(outs[0])
+    worker_or_two_ranks(Path(__file__), parse_args(), worker)
 
 
 if __name__ == "__main__":

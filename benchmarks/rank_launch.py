@@ -74,3 +74,33 @@ def versions() -> dict:
         v["cuda"] = torch.version.cuda
         v["gpu"] = torch.cuda.get_device_name(0)
     return v
+
+
+def gpt_step_parser(description: str, json_path: Path, **defaults) -> argparse.ArgumentParser:
+    """The arguments of the two-rank GPT step benchmarks (bench_module_grads, bench_nonfinite, bench_gather_check):
+    model size, batch, timed and warm-up rounds, the result file; ``defaults`` overrides any of them."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--n_layer", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=128)
+    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--block_size", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+    p.add_argument("--rounds", type=int, default=20, help="timed rounds (one step of each engine per round)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=str(json_path))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(**defaults)
+    return p
+
+
+def worker_or_two_ranks(script: Path, args: argparse.Namespace, worker) -> None:
+    """Runs ``worker(args)`` when this process is a rank (``--worker``); otherwise starts ``script`` as 2 gloo ranks
+    (tests/python/launch.py) and prints rank 0's output."""
+    if args.worker:
+        worker(args)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
+    from launch import run_ranks
+
+    outs = run_ranks(script, [*sys.argv[1:], "--worker"], world_size=2, timeout=3600)
+    print(outs[0])
