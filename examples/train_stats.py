@@ -69,9 +69,16 @@ class TrainStats(L.Callback):
     time on an otherwise idle machine), the tokens this rank processed and its model-state bytes. At ``on_train_end``
     all ranks exchange their stats, so every rank holds ``self.ranks`` (one dict per rank) and ``self.loss_curve``
     (step -> loss averaged over ranks).
+
+    Every ``tokens_window`` optimizer steps the ranks also exchange their training throughput over that window
+    (validation excluded) and log it as ``tokens_per_s/rank{i}`` through the trainer's loggers (one all-gather of one
+    number per rank per window).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tokens_window: int = 10) -> None:
+        self.tokens_window = max(1, tokens_window)
+        self._win_tokens = 0
+        self._win_t0 = self._win_val_s = 0.0
         self.step_losses: list[tuple[int, torch.Tensor]] = []  # (optimizer step at batch start, detached loss)
         self.val_losses: list[tuple[int, float]] = []
         self.tokens = 0
@@ -82,7 +89,7 @@ class TrainStats(L.Callback):
         self._step = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._t0 = time.perf_counter()
+        self._t0 = self._win_t0 = time.perf_counter()
         self._cpu0 = time.process_time()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -92,6 +99,27 @@ class TrainStats(L.Callback):
         # keep the tensor: float() here would force a device sync every step on CUDA
         self.step_losses.append((self._step, outputs["raw_loss"]))
         self.tokens += batch[0].numel()
+        self._win_tokens += batch[0].numel()
+        step = trainer.global_step
+        if step != self._step and step % self.tokens_window == 0 and trainer.logger is not None:
+            self._log_tokens_per_s(trainer, pl_module)
+
+    def _log_tokens_per_s(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """This window's tokens/s of every rank, logged as ``tokens_per_s/rank{i}`` (a collective: all ranks call)."""
+        now = time.perf_counter()
+        rate = self._win_tokens / max(now - self._win_t0 - self._win_val_s, 1e-9)
+        self._win_tokens, self._win_t0, self._win_val_s = 0, now, 0.0
+        mine = torch.tensor([rate], dtype=torch.float64, device=pl_module.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            rates = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rates, mine)
+        else:
+            rates = [mine]
+        # straight to the loggers (they write on rank 0 only), at the step Lightning logs this batch's train_loss at;
+        # pl_module.log from a callback would repeat the value on every later step's row
+        metrics = {f"tokens_per_s/rank{i}": float(r) for i, r in enumerate(rates)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._v0 = time.perf_counter()
@@ -100,6 +128,7 @@ class TrainStats(L.Callback):
         if trainer.sanity_checking:
             return
         self.val_s += time.perf_counter() - self._v0
+        self._win_val_s += time.perf_counter() - self._v0
         if "val_loss" in trainer.callback_metrics:
             self.val_losses.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -39,6 +40,36 @@ def test_train_gpt_smoke(tmp_path, extra):
     assert out["last_train_loss"] < out["first_train_loss"]
     assert out["val_losses"], "validation did not run"
     assert "tokens/s" in proc.stdout and "sample" in proc.stdout
+    assert "largest GPT this machine could train" in proc.stdout and "DDP" in proc.stdout
+    assert out["largest_params"]["stage 3"] >= out["largest_params"]["DDP"] > 0
+    check_logs_and_picture(tmp_path, out, proc.stdout)
+
+
+def check_logs_and_picture(cwd: Path, out: dict, stdout: str) -> None:
+    """The default CSV logger wrote runs/train_gpt/version_0/metrics.csv (train loss per step, val loss per validation,
+    tokens/s per rank) and a readable loss.png beside it, whose path the run printed."""
+    log_dir = cwd / "runs" / "train_gpt" / "version_0"
+    assert Path(out["log_dir"]) == log_dir.resolve()
+    with open(log_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {"step", "train_loss", "val_loss", "tokens_per_s/rank0", "tokens_per_s/rank1"} <= set(rows[0])
+
+    def steps(column: str) -> list[int]:
+        return [int(r["step"]) for r in rows if r[column]]
+
+    assert steps("train_loss") == list(range(12)), "train loss not logged once per step"
+    assert len(steps("val_loss")) == 2
+    assert steps("tokens_per_s/rank0") == steps("tokens_per_s/rank1") != []
+    assert all(float(r["tokens_per_s/rank1"]) > 0 for r in rows if r["tokens_per_s/rank1"])
+
+    png = log_dir / "loss.png"
+    assert Path(out["plot"]) == png.resolve() and "loss curves: runs/train_gpt/version_0/loss.png" in stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    image = imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image.min() < image.max(), "blank picture"
 
 
 def test_fine_tune_from_a_consolidated_checkpoint(tmp_path):
