@@ -24,7 +24,7 @@ DeepSpeed lives in its own optional venv (never a dependency of the package): se
 op is JIT-built at first use (DS_BUILD_OPS=0), which this script triggers before timing.
 
 Usage: python benchmarks/bench_cpu_adam.py [--sizes 1M,10M,100M] [--rounds 9] [--threads 2] [--isas avx512,avx2]
-       [--model-tensors 300] [--model-numel 1024] [--json PATH]
+       [--model-tensors 300] [--model-numel 1024] [--json PATH] [--plot]
 """
 
 from __future__ import annotations
@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-numel", type=int, default=1024)
     ap.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows even if it is importable")
     ap.add_argument("--json", default=f"benchmarks/results/cpu_adam_{socket.gethostname()}.json")
+    ap.add_argument("--plot", action="store_true", help="also write a PNG of the table beside the JSON")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     supported = supported_cpu_isas()
@@ -370,6 +371,10 @@ def main(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
+    if args.plot:
+        from plot_table import plot_result  # matplotlib only when asked
+
+        print(f"wrote {plot_result(path)}")
     return 0
 
 

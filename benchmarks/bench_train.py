@@ -25,6 +25,7 @@ one is flagged, not failed.
 Usage:
     PYTHONPATH=python:examples python benchmarks/bench_train.py [--stages ddp,fsdp2,...] [--steps 20] [--warmup 3]
         [--n_layer 4 --n_head 4 --n_embd 256 --block_size 128 --batch_size 4] [--accelerator cpu|cuda] [--json PATH]
+        [--plot]   # also a PNG of the table (tokens/s, model-state MiB, loss curves) beside the JSON
 """
 
 from __future__ import annotations
@@ -373,6 +374,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank; 0 = cores / ranks")
     p.add_argument("--timeout", type=float, default=600, help="seconds per config before its ranks are killed")
     p.add_argument("--json", default=f"benchmarks/results/train_{socket.gethostname()}.json")
+    p.add_argument("--plot", action="store_true", help="also write a PNG of the table beside the JSON")
     p.add_argument("--rank_of", default=None, help=argparse.SUPPRESS)  # internal: run one rank of this config
     p.add_argument("--rank_out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--init_layers", type=int, default=12, help="GPT size for the init timing (0 skips it)")
@@ -445,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {path}")
+    if args.plot:
+        from plot_table import plot_result  # matplotlib only when asked
+
+        print(f"wrote {plot_result(path)}")
     return 1 if any("error" in r for r in rows) else 0
 
 
