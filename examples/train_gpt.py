@@ -203,17 +203,22 @@ def largest_models(args: argparse.Namespace, trainer: L.Trainer, config: GPTConf
     layouts = {"DDP": Layout("ddp"), "stage 1": Layout(1), "stage 2": Layout(2), "stage 3": Layout(3)}
     layouts["stage 3 + offload"] = Layout(3, offload_optimizer=True, offload_params=True) if device == "cuda" else None
     params: dict[str, int] = {}
+    capped: set[int] = set()
+    max_layers = 1 << 16
     for name, layout in layouts.items():
         if layout is None:  # on CPU ranks offloading moves nothing off the device
             continue
-        _, spec = largest_gpt(
+        n_layer, spec = largest_gpt(
             layout, train, cluster, config.n_embd, config.n_head, config.vocab_size, config.block_size,
-            tied_head=True, max_layers=1 << 16,
+            tied_head=True, max_layers=max_layers,
         )  # fmt: skip
         params[name] = spec.num_params if spec else 0
+        if n_layer == max_layers:  # the search stopped at its cap: at least this much
+            capped.add(params[name])
 
     def size(n: int) -> str:
-        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else "none"
+        at_least = ">=" if n in capped else ""
+        return at_least + (f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n else "none")
 
     ddp = params.pop("DDP")
     where = f"{cluster.gpu_mem / GIB:.0f} GiB per GPU" if device == "cuda" else "host memory available now"
