@@ -46,19 +46,20 @@ def plot_metrics(metrics_csv: Path, out_png: Path) -> Path:
         steps, losses = zip(*series["val_loss"])
         ax.plot(steps, losses, "o-", lw=2, label="validation loss")
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(f"{Path(metrics_csv).parent.name}: loss")
+    run = Path(metrics_csv).parent
+    ax.set_title(f"{run.parent.name}/{run.name}: loss")
     ax.grid(alpha=0.3)
     ax.legend()
     if rates:
         ax2 = axes[1][0]
         for key in rates:
             steps, values = zip(*series[key])
-            ax2.plot(steps, values, ".-", label=key.split("/", 1)[1].replace("rank", "rank "))
+            ax2.plot(steps, values, "o-", ms=4, label=key.split("/", 1)[1].replace("rank", "rank "))
         ax2.set_ylabel("tokens/s (training only)")
-        ax2.set_title("throughput per rank")
-        ax2.set_ylim(bottom=0)
+        ax2.set_title("throughput per rank (each point: the steps since the last one)")
+        ax2.set_ylim(0, 1.15 * max(v for key in rates for _, v in series[key]))
         ax2.grid(alpha=0.3)
-        ax2.legend()
+        ax2.legend(loc="lower right")
     axes[-1][0].set_xlabel("optimizer step")
     fig.tight_layout()
     out_png = Path(out_png)
