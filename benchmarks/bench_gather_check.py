@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
+from gpt import Block  # noqa: E402
+from gpt_step_run import GptStepRun  # noqa: E402
 from rank_launch import gpt_step_parser, worker_or_two_ranks  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 from zeroshard.sharding import gather_check  # noqa: E402
@@ -54,39 +55,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Run:
-    def __init__(self, name: str, args: argparse.Namespace) -> None:
-        torch.manual_seed(0)
-        cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-        self.model = GPT(cfg)
-        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+def make_run(name: str, args: argparse.Namespace) -> GptStepRun:
+    def make_engine(model, opt) -> ZeroEngine:
         gather_check.ENABLED = name != "untagged"
         try:
-            self.engine = ZeroEngine(self.model, opt, ZeroConfig(stage=3, wrap_policy=Block))
+            engine = ZeroEngine(model, opt, ZeroConfig(stage=3, wrap_policy=Block))
         finally:
             gather_check.ENABLED = True
         if name == "group_only":  # the dedicated all-gather group, without the tag
-            self.engine.sharded.tagged = False
-        self.name = name
-        g = torch.Generator().manual_seed(1 + dist.get_rank())
-        self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
-        self.step_s: list[float] = []  # wall clock, this rank
-        self.cpu_s: list[float] = []  # CPU time of this process (all its threads, gloo's included)
+            engine.sharded.tagged = False
+        return engine
 
-    def step(self, record: bool) -> None:
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        self.engine.begin_step()
-        logits = self.model(self.x)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), self.x[:, 1:].reshape(-1))
-        loss.backward()
-        self.engine.finish_backward()
-        self.engine.optimizer.step()
-        self.engine.after_step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if record:
-            self.step_s.append(dt)
-            self.cpu_s.append(cpu)
+    return GptStepRun(name, args, make_engine)
 
 
 def check_alone_us(world: int) -> float:
@@ -120,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    runs = [Run(name, args) for name in NAMES]
+    runs = [make_run(name, args) for name in NAMES]
     for _ in range(args.warmup):
         for r in runs:
             r.step(record=False)

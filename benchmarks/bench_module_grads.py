@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
+from gpt import Block  # noqa: E402
+from gpt_step_run import GptStepRun  # noqa: E402
 from rank_launch import gpt_step_parser, machine, versions, worker_or_two_ranks  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 
@@ -44,47 +46,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Run:
-    def __init__(self, name: str, stage: int, args: argparse.Namespace) -> None:
-        torch.manual_seed(0)
-        cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-        self.model = GPT(cfg)
-        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.engine = ZeroEngine(self.model, opt, ZeroConfig(stage=stage, wrap_policy=Block if stage == 3 else None))
+def make_run(name: str, stage: int, args: argparse.Namespace) -> GptStepRun:
+    def make_engine(model, opt) -> ZeroEngine:
+        engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, wrap_policy=Block if stage == 3 else None))
         if name == "hidden":  # the engine as it was before param.grad was exposed
-            self.engine.module_grads.remove_hooks()
-            self.engine.module_grads.install = lambda synced: None
-        self.name = name
-        g = torch.Generator().manual_seed(1 + dist.get_rank())
-        self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
-        self.step_s: list[float] = []
-        self.cpu_s: list[float] = []
+            engine.module_grads.remove_hooks()
+            engine.module_grads.install = lambda synced: None
+        return engine
 
-    def step(self, record: bool, read: bool = False) -> float:
-        """One training step; ``read``: also Lightning's grad_norm before the optimizer step (returns its seconds)."""
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        self.engine.begin_step()
-        logits = self.model(self.x)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), self.x[:, 1:].reshape(-1))
-        loss.backward()
-        self.engine.finish_backward()
-        read_s = 0.0
-        if read:
-            r0 = time.perf_counter()
-            norms = grad_norm(self.model, norm_type=2)
-            read_s = time.perf_counter() - r0
-            assert norms, "grad_norm found no gradient"
-        self.engine.optimizer.step()
-        self.engine.after_step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if record:
-            self.step_s.append(dt)
-            self.cpu_s.append(cpu)
-        return read_s
+    return GptStepRun(name, args, make_engine)
 
 
-def bookkeeping_us(run: Run, n: int = 200) -> dict[str, float]:
+def read_grad_norm(run: GptStepRun) -> Callable[[], None]:
+    """Lightning's grad_norm on the model, as a callback reading every .grad between backward and the step would."""
+
+    def read() -> None:
+        assert grad_norm(run.model, norm_type=2), "grad_norm found no gradient"
+
+    return read
+
+
+def bookkeeping_us(run: GptStepRun, n: int = 200) -> dict[str, float]:
     """Microseconds of each per-step part alone, after a backward (so every flat parameter has a gradient to expose):
     ``install`` (placeholders into every trainable parameter's .grad), ``sync`` (the identity check before the step)
     and ``clear`` (back to None after it)."""
@@ -105,7 +87,7 @@ def bookkeeping_us(run: Run, n: int = 200) -> dict[str, float]:
 
 
 def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
-    runs = [Run(name, stage, args) for name in ("exposed", "hidden")]
+    runs = [make_run(name, stage, args) for name in ("exposed", "hidden")]
     for _ in range(args.warmup):
         for r in runs:
             r.step(record=False)
@@ -122,8 +104,8 @@ def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
         cpu[r.name] = (c / world).tolist()
     exposed = runs[0]
     # a step that reads every gradient (the install under test; after a backward, so gradients exist)
-    exposed.step(record=False, read=True)
-    reads = [exposed.step(record=False, read=True) for _ in range(5)]
+    exposed.step(record=False, after_backward=read_grad_norm(exposed))
+    reads = [exposed.step(record=False, after_backward=read_grad_norm(exposed)) for _ in range(5)]
     n_params = sum(len(fp.params) for fp in exposed.engine.flat_params)
     parts = bookkeeping_us(exposed)
     inst = sum(parts.values())

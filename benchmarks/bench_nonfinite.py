@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 import zeroshard  # noqa: E402
-from gpt import GPT, Block, GPTConfig  # noqa: E402
+from gpt import Block  # noqa: E402
+from gpt_step_run import GptStepRun  # noqa: E402
 from rank_launch import gpt_step_parser, machine, versions, worker_or_two_ranks  # noqa: E402
 from zeroshard import ZeroConfig, ZeroEngine  # noqa: E402
 from zeroshard.engine.engine import _comm_device  # noqa: E402
@@ -47,41 +48,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Run:
-    def __init__(self, name: str, stage: int, args: argparse.Namespace) -> None:
-        torch.manual_seed(0)
-        cfg = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size)
-        self.model = GPT(cfg)
-        opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        config = ZeroConfig(
-            stage=stage, wrap_policy=Block if stage == 3 else None, nonfinite="error" if name == "error" else "ignore"
-        )
-        self.engine = ZeroEngine(self.model, opt, config)
+def make_run(name: str, stage: int, args: argparse.Namespace) -> GptStepRun:
+    def make_engine(model, opt) -> ZeroEngine:
+        wrap = Block if stage == 3 else None
+        config = ZeroConfig(stage=stage, wrap_policy=wrap, nonfinite="error" if name == "error" else "ignore")
+        engine = ZeroEngine(model, opt, config)
         if name == "no_flags":  # no step-flags all-reduce: the engine before non-finite and unused-parameter checks
-            self.engine._check_step_flags = self.engine.reducer.take_flags
-        self.name = name
-        g = torch.Generator().manual_seed(1 + dist.get_rank())
-        self.x = torch.randint(0, cfg.vocab_size, (args.batch, args.block_size), generator=g)
-        self.step_s: list[float] = []
-        self.cpu_s: list[float] = []
+            engine._check_step_flags = engine.reducer.take_flags
+        return engine
 
-    def step(self, record: bool) -> None:
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        self.engine.begin_step()
-        logits = self.model(self.x)
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), self.x[:, 1:].reshape(-1))
-        loss.backward()
-        self.engine.finish_backward()
-        self.engine.optimizer.step()
-        self.engine.after_step()
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if record:
-            self.step_s.append(dt)
-            self.cpu_s.append(cpu)
+    return GptStepRun(name, args, make_engine)
 
 
-def parts_us(run: Run, n: int = 100) -> dict[str, float]:
+def parts_us(run: GptStepRun, n: int = 100) -> dict[str, float]:
     """Microseconds of each part alone: ``check`` (the NaN/inf test of every flat parameter's gradient-shard-sized
     buffer, as the reducer runs it after each reduce-scatter: a sum, flagged when not finite) and
     ``flags_all_reduce`` (the exchange, 2 ranks)."""
@@ -107,7 +86,7 @@ def _pct(a: list[float], b: list[float]) -> float:
 
 
 def measure(stage: int, args: argparse.Namespace, world: int) -> dict:
-    runs = [Run(name, stage, args) for name in NAMES]
+    runs = [make_run(name, stage, args) for name in NAMES]
     for _ in range(args.warmup):
         for r in runs:
             r.step(record=False)
