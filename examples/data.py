@@ -76,6 +76,20 @@ def split_bytes(data: bytes, block_size: int, val_fraction: float = 0.05) -> tup
     return tokens[: len(data) - n_val], tokens[len(data) - n_val :]
 
 
+def held_out_prompt(val_tokens: torch.Tensor, max_bytes: int = 96) -> str:
+    """A real line of Python from the held-out bytes to prompt the sample with: the first function signature
+    (``def name(...):`` at any indentation, at most ``max_bytes`` long, with its indentation) followed by its newline,
+    so the model writes the body. The model never trained on these bytes. ``"def "`` if the split has no such line
+    (e.g. a ``--data`` file that is not Python)."""
+    text = bytes(val_tokens[: 1 << 20].tolist()).decode("utf-8", errors="replace")
+    lines = text.split("\n")[1:]  # the first line may start mid-line
+    for line in lines:
+        body = line.lstrip(" ")
+        if body.startswith("def ") and line.endswith("):") and len(line.encode()) < max_bytes and line.isascii():
+            return line + "\n"
+    return "def "
+
+
 class ByteWindows(Dataset):
     """Windows of a byte tensor: item i -> (x, y), both (block_size,) int64, y = x shifted left by one byte.
 
@@ -130,6 +144,7 @@ class ByteTextDataModule(L.LightningDataModule):
         self.train_set: ByteWindows | None = None
         self.val_set: ByteWindows | None = None
         self.corpus_bytes = 0
+        self.prompt = "def "  # a line from the held-out split once set up (held_out_prompt)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -141,6 +156,7 @@ class ByteTextDataModule(L.LightningDataModule):
         n_train = max(1, len(train) // self.block_size)
         self.train_set = ByteWindows(train, self.block_size, num_samples=n_train, seed=self.seed)
         self.val_set = ByteWindows(val, self.block_size)
+        self.prompt = held_out_prompt(val, max_bytes=min(96, self.block_size))
 
     def train_dataloader(self) -> DataLoader:
         # offsets are already random; shuffle=True still reorders them per epoch (Lightning's DistributedSampler

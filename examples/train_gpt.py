@@ -12,6 +12,12 @@ train loss per step, the validation loss per validation and each rank's tokens/s
 instead. The summary ends with the largest GPT of this width the machine could train at this batch under DDP and each
 ZeRO stage, from ``zeroshard.plan``.
 
+The defaults (4 x 128, 0.83M parameters, 64-byte context, 8 windows per rank, 1000 steps at lr 3e-3 with warmup and
+cosine decay) were chosen on 2 CPU cores for the most learning in about two minutes: at this budget many small steps
+beat fewer large ones (validation loss 1.7 after 1000 steps of 16 x 64 bytes, against 2.3 after 300 steps of
+32 x 128 bytes, which is more bytes in all), and at that loss the sample reads as Python. The sample continues the first
+function signature of the held-out split, at temperature 0.8 among the 10 likeliest bytes.
+
 Lightning's launcher re-runs this script once per extra rank, so everything happens under ``main()``.
 """
 
@@ -47,20 +53,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m = p.add_argument_group("model")
     m.add_argument("--n_layer", type=int, default=4)
     m.add_argument("--n_head", type=int, default=4)
-    m.add_argument("--n_embd", type=int, default=256)
-    m.add_argument("--block_size", type=int, default=128)
+    m.add_argument("--n_embd", type=int, default=128)
+    m.add_argument("--block_size", type=int, default=64)
     m.add_argument("--dropout", type=float, default=0.0)
     t = p.add_argument_group("training")
-    t.add_argument("--batch_size", type=int, default=16, help="per rank")
-    t.add_argument("--max_steps", type=int, default=100)
-    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--batch_size", type=int, default=8, help="per rank")
+    t.add_argument("--max_steps", type=int, default=1000)
+    t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--weight_decay", type=float, default=0.1)
-    t.add_argument("--warmup_steps", type=int, default=10)
+    t.add_argument("--warmup_steps", type=int, default=50)
     t.add_argument("--lr_schedule", choices=["cosine", "constant"], default="cosine")
     t.add_argument("--accumulate_grad_batches", type=int, default=1)
     t.add_argument("--gradient_clip_val", type=float, default=1.0, help="clip grad norm; 0 disables")
-    t.add_argument("--val_check_interval", type=int, default=50, help="validate every N training batches")
-    t.add_argument("--limit_val_batches", type=int, default=10)
+    t.add_argument("--val_check_interval", type=int, default=250, help="validate every N training batches")
+    t.add_argument("--limit_val_batches", type=int, default=20)
     t.add_argument("--seed", type=int, default=1337)
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None, help="a text file; default: this Python's stdlib sources")
@@ -89,8 +95,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start from these weights (safetensors, e.g. from `python -m zeroshard.consolidate CKPT OUT`)",
     )
     o.add_argument("--sample_tokens", type=int, default=200, help="bytes to generate after training; 0 = none")
-    o.add_argument("--prompt", default="def ")
+    o.add_argument(
+        "--prompt",
+        default=None,
+        help="text to continue; default: the first function signature in the held-out split (a line the model "
+        "never trained on), with its indentation",
+    )
     o.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    o.add_argument("--top_k", type=int, default=10, help="sample among the k most likely bytes; 0 = all")
     o.add_argument(
         "--logger",
         choices=["csv", "tensorboard", "none"],
@@ -138,7 +150,7 @@ def full_parameters(module: LitGPT):
     return gathered_parameters(module)
 
 
-def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.8, top_k: int | None = 50) -> str:
+def generate_sample(module: LitGPT, prompt: str, n: int, temperature: float = 0.8, top_k: int | None = 10) -> str:
     """Decode n bytes after prompt with module's GPT; returns prompt + continuation as text (bad UTF-8 replaced).
 
     Needs the full parameters on this rank (true for DDP and ZeRO 1/2; stage 3 must gather around this call).
@@ -257,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(args.threads or max(1, cores // max(1, args.devices)))
     warnings.filterwarnings("ignore", ".*does not have many workers.*")  # num_workers=0 is deliberate: data is in RAM
+    # Lightning 2.6 asks torch >= 2.13 a deprecated pytree question: noise for the user, nothing to act on
+    warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
     L.seed_everything(args.seed, verbose=False)
 
     config = GPTConfig(
@@ -300,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     # ZeRO stage 3 keeps only shards: gather the whole model for generation (a collective, so every rank enters)
+    prompt = datamodule.prompt if args.prompt is None else args.prompt
     with full_parameters(module):
         sample = (
-            generate_sample(module, args.prompt, args.sample_tokens, temperature=args.temperature)
+            generate_sample(module, prompt, args.sample_tokens, args.temperature, args.top_k or None)
             if trainer.is_global_zero and args.sample_tokens > 0
             else ""
         )
@@ -329,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # --strategy ddp without zeroshard installed
         largest = None
     if sample:
-        print(f"\n--- sample ({args.sample_tokens} bytes after {args.prompt!r}) ---\n{sample}\n---")
+        where = " (held-out split)" if args.prompt is None else ""
+        print(f"\n--- sample ({args.sample_tokens} bytes after {prompt!r}{where}) ---\n{sample}\n---")
 
     png = write_plot(trainer)
     if png is not None:
@@ -352,6 +368,7 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_per_s": sum(r["tokens_per_s"] for r in stats.ranks),
             "train_s": max(r["train_s"] for r in stats.ranks),
             "fit_wall_s": wall_s,
+            "prompt": prompt,
             "sample": sample,
             "largest_params": largest,
             "log_dir": str(Path(trainer.logger.log_dir).resolve()) if trainer.logger else None,
