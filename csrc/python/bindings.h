@@ -1,7 +1,9 @@
 // pybind11 registration functions, one per concept. Only files under csrc/python/ see Python.
 #pragma once
 
-#include <torch/extension.h>
+// torch/python.h (pybind11 and the Tensor/ProcessGroup casters) rather than torch/extension.h, which adds the whole
+// C++ frontend (torch/all.h: nn, optim, data) that no binding uses and costs 16 s of compile per file.
+#include <torch/python.h>
 
 namespace zeroshard::python {
 
