@@ -8,6 +8,10 @@ Rows, per size (fp32 master weights and moments; one shared parameter and gradie
   the mixed path: bf16 grad in, fp32 master, bf16 param copy out in one pass (ops.adam_step with param_out), against
   torch fused and DeepSpeed doing their fp32 step plus the two separate casts (bf16 -> fp32 grad, fp32 -> bf16 param),
   and DeepSpeedCPUAdam on bf16 parameters (its bf16 path: fp32 moments, no fp32 master);
+  state formats (issue 19) on the mixed path: bf16 and block-wise int8 moments (``ops.adam_step`` with bf16 /
+  uint8 + absmax state), fp32 master, bf16 grad in, bf16 param copy out, beside the fp32-state mixed row, torch
+  fused + casts and torch fused's plain fp32 step (``x torch fp32``); ``of ref`` for them is the fp32 in-place
+  reference's time scaled to their bytes (the reference kernel moves fp32 only);
   bf16 parameters with no master on both sides: zeroshard.CPUAdam on each ISA build against DeepSpeedCPUAdam;
   and a model of ``--model-tensors`` tensors of ``--model-numel`` elements each (the per-tensor cost of a step).
 
@@ -52,6 +56,8 @@ FP32_BYTES = 16 + 12  # read p, g, m, v; write p, m, v
 MIXED_BYTES = 2 + 12 + 12 + 2 * 2  # read bf16 g, p, m, v; write p, m, v; write (+RFO) the bf16 param copy
 CASTS_BYTES = (2 + 4 * 2) + FP32_BYTES + (4 + 2 * 2)  # bf16->fp32 grad pass + fp32 step + fp32->bf16 pass
 BF16_PARAM_BYTES = 2 + 2 + 8 + 2 + 8  # read bf16 p, g, fp32 m, v; write bf16 p, fp32 m, v
+BF16_STATE_BYTES = 2 + 4 + 4 + 4 + 4 + 2 * 2  # read bf16 g, p, bf16 m, v; write p, m, v; bf16 param copy (+RFO)
+INT8_STATE_BYTES = 2 + 4 + 2 + 4 + 2 + 2 * 2 + 16 / 2048  # codes 1 B per moment each way, absmax 4 B per 2048
 LR, WD = 1e-3, 0.01
 HYPER = dict(lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=WD, adamw_mode=True, bias_correction=True)
 
@@ -178,6 +184,45 @@ def fp32_rows(n, isas, ds_cls, reps):
 
         return run
 
+    # state formats: the same mixed path with bf16 or int8 moments (each row its own state, started by one step)
+    m16, v16 = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    mq, ma = ops.quantize_state(m, signed=True)
+    vq, va = ops.quantize_state(v, signed=False)
+    for isa in isas:
+        rows.append(
+            Row(
+                "zeroshard bf16 state, bf16 grad -> out",
+                isa,
+                lambda isa=isa: ops.adam_step(master, g16, m16, v16, step=2, param_out=out, isa=isa, **HYPER),
+                n,
+                BF16_STATE_BYTES,
+                "mixed",
+                reps,
+            )
+        )
+        rows.append(
+            Row(
+                "zeroshard int8 state, bf16 grad -> out",
+                isa,
+                lambda isa=isa: ops.adam_step(
+                    master,
+                    g16,
+                    mq,
+                    vq,
+                    step=2,
+                    param_out=out,
+                    isa=isa,
+                    exp_avg_absmax=ma,
+                    exp_avg_sq_absmax=va,
+                    **HYPER,
+                ),  # fmt: skip
+                n,
+                INT8_STATE_BYTES,
+                "mixed",
+                reps,
+            )
+        )
+
     rows.append(Row("torch fused fp32 step + casts", "torch", with_casts(torch_opt), n, CASTS_BYTES, "mixed", reps))
     if ds_cls is not None:
         rows.append(Row("DeepSpeed fp32 step + casts", "ds", with_casts(ds), n, CASTS_BYTES, "mixed", reps))
@@ -261,6 +306,12 @@ def summarize(rows: list[Row], copy_gbs: float, ntensors: int | None = None) -> 
         d["of_copy"] = d["gb_per_s"] / copy_gbs
         if r.path in ("fp32", "reference") and best_ref is not None:
             d["of_ref"] = _paired(refs.get(r.isa, best_ref), r)
+        if " state," in r.name and best_ref is not None:
+            # the fp32 reference's time scaled to this row's bytes: what moving only these bytes would take
+            d["of_ref_scaled"] = _paired(refs.get(r.isa, best_ref), r) * r.bytes / FP32_BYTES
+            fused = [o for o in rows if o.path == "fp32" and o.isa == "torch"]
+            if fused:
+                d["x_torch_fp32_step"] = _paired(fused[0], r)
         if r.isa not in ("torch", "ds") and r.path != "reference":
             others = [o for o in rows if o.path == r.path and o.isa in ("torch", "ds")]
             if others:  # the faster of torch fused and DeepSpeed on the same path, round by round
@@ -302,7 +353,9 @@ def print_table(rows: list[dict]) -> None:
     hdr = f"| {'impl':<40} | {'isa':<6} | {'n_params':>11} | {'s/step':>9} | GB/s  | of ref | of copy | x best other |"
     print("\n" + hdr + "\n|" + "|".join("-" * len(c) for c in hdr.split("|")[1:-1]) + "|")
     for r in rows:
-        ref = f"{r['of_ref']:.3f}" if "of_ref" in r else "  -  "
+        ref = (
+            f"{r['of_ref']:.3f}" if "of_ref" in r else f"~{r['of_ref_scaled']:.2f}" if "of_ref_scaled" in r else "  -  "
+        )
         best = f"{r['x_best_other']:.2f}x" if "x_best_other" in r else "-"
         print(f"| {r['impl']:<40} | {r['isa']:<6} | {r['n_params']:>11,} | {r['seconds_per_step']:>9.6f} | "
               f"{r['gb_per_s']:>5.1f} | {ref:>6} | {r['of_copy']:>7.0%} | {best:>12} |")  # fmt: skip
@@ -325,6 +378,7 @@ def main(argv=None) -> int:
     isas = args.isas.split(",") if args.isas else [i for i in reversed(supported) if i != "scalar"] or ["scalar"]
     ds_cls, ds_version = (None, None) if args.no_deepspeed else deepspeed_adam()
     load_before = loadavg()
+    os_load_before = os.getloadavg()
     copy_gbs = measure_copy_bandwidth()
     print(f"threads {args.threads}, isas {isas}, DeepSpeed {ds_version}, loadavg {load_before}", flush=True)
     print(f"copy bandwidth (512 MiB, write-allocate counted): {copy_gbs:.1f} GB/s", flush=True)
@@ -343,9 +397,14 @@ def main(argv=None) -> int:
     interleave(rows, args.rounds * 3)
     results += summarize(rows, copy_gbs, args.model_tensors)
     load_after = loadavg()
+    os_load_after = os.getloadavg()
     copy_after = measure_copy_bandwidth()
     print_table(results)
     for r in results:
+        if "x_torch_fp32_step" in r:
+            print(f"{r['impl']} ({r['isa']}, n={r['n_params']:,}): {r['bytes_per_param']:.2f} B/param, "
+                  f"{r['x_torch_fp32_step']:.2f}x torch fused fp32 step, {r['of_ref_scaled']:.2f} of the scaled "
+                  f"in-place reference")  # fmt: skip
         if "us_per_tensor" in r:
             print(f"{r['impl']}: {r['us_per_tensor']:.2f} us per tensor")
     print(f"loadavg before {load_before}, after {load_after}; copy bandwidth after {copy_after:.1f} GB/s")
@@ -364,6 +423,7 @@ def main(argv=None) -> int:
         "adam_prefetch_bytes": _C.adam_prefetch_bytes(),
         "loadavg_before": load_before,
         "loadavg_after": load_after,
+        "os_getloadavg": {"before": list(os_load_before), "after": list(os_load_after)},
         "copy_gb_per_s": {"before": copy_gbs, "after": copy_after},
         "rows": results,
     }

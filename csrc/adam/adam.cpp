@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "adam/adam_detail.h"
@@ -19,6 +20,7 @@ using adam_kernel::Factors;
 using adam_kernel::GradType;
 using adam_kernel::KernelFn;
 using adam_kernel::OutType;
+using adam_kernel::StateType;
 
 void check_tensor(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.defined(), "adam_step: ", name, " is an undefined tensor; pass a CPU tensor");
@@ -145,6 +147,15 @@ adam_kernel::TrafficFn traffic_for(CpuIsa isa) {
   return adam_kernel::scalar::traffic;
 }
 
+void set_state(Args& a, StateType type, const at::Tensor* m_absmax, const at::Tensor* v_absmax) {
+  a.state_type = type;
+  if (type != StateType::kInt8) return;
+  a.exp_avg_absmax = m_absmax->data_ptr<float>();
+  a.exp_avg_sq_absmax = v_absmax->data_ptr<float>();
+  a.exp_avg_map = quant_map(true);
+  a.exp_avg_sq_map = quant_map(false);
+}
+
 int64_t prefetch_elems() {
   static const int64_t elems = [] {
     // Measured (bench_cpu_adam.py; paired sweeps against torch's fused AdamW in one process): 1 KiB ahead gained
@@ -178,7 +189,7 @@ using namespace adam_detail;
 std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                                    const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
                                    const std::optional<at::Tensor>& param_out, bool compute_grad_stats,
-                                   std::optional<std::string_view> isa) {
+                                   std::optional<std::string_view> isa, const std::optional<AdamStateScales>& scales) {
   // --- Validate everything first: nothing is written unless every check passes.
   check_tensor(param, "param");
   check_tensor(grad, "grad");
@@ -191,12 +202,28 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   const bool bf16_param = param.scalar_type() == at::kBFloat16;
   TORCH_CHECK_VALUE(!(bf16_param && param_out.has_value()), "adam_step: param is bfloat16 and param_out is given; ",
                     "a bfloat16 param is its own compute-dtype copy: drop param_out, or step a float32 master");
-  TORCH_CHECK_TYPE(exp_avg.scalar_type() == at::kFloat, "adam_step: exp_avg has dtype ", exp_avg.scalar_type(),
-                   "; optimizer state must be float32");
-  TORCH_CHECK_TYPE(exp_avg_sq.scalar_type() == at::kFloat, "adam_step: exp_avg_sq has dtype ", exp_avg_sq.scalar_type(),
-                   "; optimizer state must be float32");
-  const GradType grad_type = grad_type_of(grad);
   const int64_t n = param.numel();
+  const at::Tensor* m_absmax = scales ? &scales->exp_avg_absmax : nullptr;
+  const at::Tensor* v_absmax = scales ? &scales->exp_avg_sq_absmax : nullptr;
+  const StateType state_type = state_type_of(exp_avg, exp_avg_sq, m_absmax, v_absmax, n,
+                                             [](const char* key) { return std::string("adam_step: ") + key; });
+  const bool int8_state = state_type == StateType::kInt8;
+  if (int8_state) {
+    check_tensor(*m_absmax, "exp_avg_absmax");
+    check_tensor(*v_absmax, "exp_avg_sq_absmax");
+    const at::Tensor* others[] = {&param, &grad, &exp_avg, &exp_avg_sq};
+    const char* names[] = {"param", "grad", "exp_avg", "exp_avg_sq"};
+    for (int k = 0; k < 4; ++k) {
+      check_no_overlap(*m_absmax, "exp_avg_absmax", *others[k], names[k]);
+      check_no_overlap(*v_absmax, "exp_avg_sq_absmax", *others[k], names[k]);
+    }
+    check_no_overlap(*m_absmax, "exp_avg_absmax", *v_absmax, "exp_avg_sq_absmax");
+    if (param_out.has_value()) {
+      check_no_overlap(*param_out, "param_out", *m_absmax, "exp_avg_absmax");
+      check_no_overlap(*param_out, "param_out", *v_absmax, "exp_avg_sq_absmax");
+    }
+  }
+  const GradType grad_type = grad_type_of(grad);
   check_numel(grad, "grad", n);
   check_numel(exp_avg, "exp_avg", n);
   check_numel(exp_avg_sq, "exp_avg_sq", n);
@@ -224,8 +251,9 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   Args args;
   args.param = param.data_ptr();
   args.param_type = bf16_param ? adam_kernel::ParamType::kBFloat16 : adam_kernel::ParamType::kFloat32;
-  args.exp_avg = exp_avg.data_ptr<float>();
-  args.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  args.exp_avg = exp_avg.data_ptr();
+  args.exp_avg_sq = exp_avg_sq.data_ptr();
+  set_state(args, state_type, m_absmax, v_absmax);
   args.grad = grad.data_ptr();
   args.grad_type = grad_type;
   args.param_out = param_out.has_value() ? param_out->data_ptr() : nullptr;
@@ -242,6 +270,10 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   bump_version(param);
   bump_version(exp_avg);
   bump_version(exp_avg_sq);
+  if (int8_state) {
+    bump_version(*m_absmax);
+    bump_version(*v_absmax);
+  }
   if (param_out.has_value()) bump_version(*param_out);
 
   if (!compute_grad_stats) return std::nullopt;

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string_view>
 
+#include "adam/adam_state_format.h"
 #include "adam/cpu_isa.h"
 
 namespace zeroshard {
@@ -38,9 +39,13 @@ struct GradStats {
 // Elements per work chunk. Chunks are the unit of threading and of the statistics' partial sums, so results never
 // depend on the thread count. A multiple of 64 so chunk starts stay vector- and cache-line aligned.
 constexpr int64_t kAdamChunk = 64 * 1024;
+static_assert(kAdamChunk % kAdamQuantBlock == 0, "chunks must start on int8 state block boundaries");
 
 // One Adam/AdamW step, in place on param, exp_avg and exp_avg_sq; writes param_out if given.
-//   param, exp_avg, exp_avg_sq: fp32, CPU, dense, contiguous, same numel, not overlapping one another. param may
+//   param, exp_avg, exp_avg_sq: CPU, dense, contiguous, same numel, not overlapping one another. param is fp32 and
+//     the moments are in one state format, told by their dtype (adam_state_format.h): float32; bfloat16 (fp32
+//     math, rounded to nearest even on store); or uint8 codes of block-wise int8 state, whose per-block fp32 absmax
+//     come in scales (adam_quant_blocks(numel) each; given only for int8 state). param may
 //     also be bf16 with no param_out (bf16 weights, no master: upcast on load, rounded to nearest even once per
 //     step, fp32 moments; DeepSpeedCPUAdam's bf16 mode with fp32_optimizer_states).
 //   grad: fp32, bf16 or fp16, CPU, dense, contiguous, same numel (any shape).
@@ -53,7 +58,8 @@ constexpr int64_t kAdamChunk = 64 * 1024;
 std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                                    const at::Tensor& exp_avg_sq, const AdamHyper& hyper,
                                    const std::optional<at::Tensor>& param_out = std::nullopt,
-                                   bool compute_grad_stats = false, std::optional<std::string_view> isa = std::nullopt);
+                                   bool compute_grad_stats = false, std::optional<std::string_view> isa = std::nullopt,
+                                   const std::optional<AdamStateScales>& scales = std::nullopt);
 
 // Bytes ahead of the current element the kernel prefetches on every stream (0: hardware prefetch only):
 // $ZEROSHARD_ADAM_PREFETCH_BYTES if set, else the default for this CPU's vendor. Read once.

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <string>
 
 #include "adam/adam.h"
 #include "adam/adam_kernel.h"
@@ -21,6 +23,18 @@ void check_hyper(const AdamHyper& h);
 // Per-step factors, computed in double and rounded to float as torch rounds its Python-float scalars.
 adam_kernel::Factors make_factors(const AdamHyper& h);
 adam_kernel::KernelFn kernel_for(CpuIsa isa);
+// The dynamic 8-bit map of exp_avg (signed) or exp_avg_sq (unsigned), built once (adam_state_format.cpp).
+adam_kernel::QuantMap quant_map(bool is_signed);
+// Points a's state fields at the given format (m_absmax / v_absmax: the int8 scales, else unused).
+void set_state(adam_kernel::Args& a, adam_kernel::StateType type, const at::Tensor* m_absmax,
+               const at::Tensor* v_absmax);
+// The state format of an n-element parameter's moments, told by their dtypes (adam_state_format.h), and the int8
+// scales checked against it: dtype and numel only (callers check device, layout and aliasing). m_absmax / v_absmax
+// may be null or undefined. what(key) names a state tensor ("exp_avg", "exp_avg_absmax", ...) in errors. Throws
+// c10::TypeError for a dtype, c10::ValueError for a missing or extra scale or a wrong numel, each with the fix.
+adam_kernel::StateType state_type_of(const at::Tensor& m, const at::Tensor& v, const at::Tensor* m_absmax,
+                                     const at::Tensor* v_absmax, int64_t n,
+                                     const std::function<std::string(const char*)>& what);
 // Software prefetch distance of the kernel, in elements: $ZEROSHARD_ADAM_PREFETCH_BYTES / 4 if set (0 turns it off),
 // else this CPU's default. Read once; throws c10::ValueError naming a bad value.
 int64_t prefetch_elems();

@@ -61,15 +61,24 @@ std::string AdamGroup::name(int64_t i) const {
 }
 
 AdamGroup::AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
-                     std::vector<at::Tensor> exp_avg_sqs, std::string label, int64_t group_index)
+                     std::vector<at::Tensor> exp_avg_sqs, std::string label, int64_t group_index,
+                     std::vector<at::Tensor> exp_avg_absmaxes, std::vector<at::Tensor> exp_avg_sq_absmaxes)
     : params_(std::move(params)),
       exp_avgs_(std::move(exp_avgs)),
       exp_avg_sqs_(std::move(exp_avg_sqs)),
+      m_absmax_(std::move(exp_avg_absmaxes)),
+      v_absmax_(std::move(exp_avg_sq_absmaxes)),
       label_(std::move(label)),
       group_index_(group_index) {
   TORCH_CHECK_VALUE(exp_avgs_.size() == params_.size() && exp_avg_sqs_.size() == params_.size(), label_,
                     " param group ", group_index_, ": ", params_.size(), " params but ", exp_avgs_.size(),
                     " exp_avg and ", exp_avg_sqs_.size(), " exp_avg_sq tensors; pass one of each per param");
+  TORCH_CHECK_VALUE((m_absmax_.empty() && v_absmax_.empty()) ||
+                        (m_absmax_.size() == params_.size() && v_absmax_.size() == params_.size()),
+                    label_, " param group ", group_index_, ": ", params_.size(), " params but ", m_absmax_.size(),
+                    " exp_avg_absmax and ", v_absmax_.size(),
+                    " exp_avg_sq_absmax entries; pass none, or one per param (undefined where the state is not int8)");
+  state_types_.resize(params_.size());
   for (int64_t i = 0; i < size(); ++i) {
     const at::Tensor& p = params_[i];
     TORCH_CHECK_VALUE(p.defined(), label_, " param ", i, " of group ", group_index_, " is an undefined tensor");
@@ -85,13 +94,28 @@ AdamGroup::AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp
       const std::string sw = std::string("state['") + keys[k] + "'] of " + what;
       TORCH_CHECK_VALUE(s.defined(), sw, " is missing; load a complete Adam/AdamW state_dict");
       check_dense_cpu(s, sw, "load the state_dict onto CPU parameters");
-      TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.numel() == p.numel(), sw, " is ",
-                        dtype_name(s.scalar_type()), " with ", s.numel(), " elements; expected torch.float32 with ",
-                        p.numel());
+      TORCH_CHECK_VALUE(s.numel() == p.numel(), sw, " is ", dtype_name(s.scalar_type()), " with ", s.numel(),
+                        " elements; expected ", p.numel());
       TORCH_CHECK_VALUE(!overlaps(s, p), sw, " shares memory with the parameter; each must be its own buffer");
     }
     TORCH_CHECK_VALUE(!overlaps(exp_avgs_[i], exp_avg_sqs_[i]), "state['exp_avg'] and state['exp_avg_sq'] of ", what,
                       " share memory; each must be its own buffer");
+    const auto key = [&](const char* k) { return std::string("state['") + k + "'] of " + what; };
+    const auto type = adam_detail::state_type_of(exp_avgs_[i], exp_avg_sqs_[i], exp_avg_absmax(i), exp_avg_sq_absmax(i),
+                                                 p.numel(), key);
+    state_types_[i] = static_cast<uint8_t>(type);
+    if (type == adam_kernel::StateType::kInt8) {
+      const at::Tensor* scales[] = {&m_absmax_[i], &v_absmax_[i]};
+      const char* skeys[] = {"exp_avg_absmax", "exp_avg_sq_absmax"};
+      for (int k = 0; k < 2; ++k) {
+        check_dense_cpu(*scales[k], key(skeys[k]), "load the state_dict onto CPU parameters");
+        for (const at::Tensor* t :
+             std::initializer_list<const at::Tensor*>{&p, &exp_avgs_[i], &exp_avg_sqs_[i], scales[1 - k]}) {
+          TORCH_CHECK_VALUE(!overlaps(*scales[k], *t), key(skeys[k]),
+                            " shares memory with the parameter or its other state; each must be its own buffer");
+        }
+      }
+    }
   }
 }
 
@@ -158,8 +182,10 @@ std::optional<GradStats> adam_step_groups(const std::vector<AdamGroupStep>& work
       a.param = p.data_ptr();
       a.param_type =
           p.scalar_type() == at::kBFloat16 ? adam_kernel::ParamType::kBFloat16 : adam_kernel::ParamType::kFloat32;
-      a.exp_avg = w.group->exp_avg(i).data_ptr<float>();
-      a.exp_avg_sq = w.group->exp_avg_sq(i).data_ptr<float>();
+      a.exp_avg = w.group->exp_avg(i).data_ptr();
+      a.exp_avg_sq = w.group->exp_avg_sq(i).data_ptr();
+      adam_detail::set_state(a, static_cast<adam_kernel::StateType>(w.group->state_type(i)), w.group->exp_avg_absmax(i),
+                             w.group->exp_avg_sq_absmax(i));
       a.grad = g.data_ptr();
       a.grad_type = adam_detail::grad_type_of(g);
       a.prefetch_elems = adam_detail::prefetch_elems();
@@ -194,6 +220,10 @@ std::optional<GradStats> adam_step_groups(const std::vector<AdamGroupStep>& work
       adam_detail::bump_version(w.group->param(i));
       adam_detail::bump_version(w.group->exp_avg(i));
       adam_detail::bump_version(w.group->exp_avg_sq(i));
+      if (w.group->state_type(i) == static_cast<uint8_t>(adam_kernel::StateType::kInt8)) {
+        adam_detail::bump_version(*w.group->exp_avg_absmax(i));
+        adam_detail::bump_version(*w.group->exp_avg_sq_absmax(i));
+      }
     }
   }
   if (!compute_grad_stats) return std::nullopt;

@@ -21,12 +21,15 @@ namespace zeroshard {
 
 class AdamGroup {
  public:
-  // params, exp_avgs, exp_avg_sqs: one entry per tensor of the group, fp32 (params: or bf16, no master), CPU, dense,
-  // contiguous; the three of one tensor have the same numel and share no memory. label names the owner in errors
-  // ("CPUAdam"), group_index the param group. Throws c10::ValueError naming "<label> param <i> of group <g> (shape
-  // [...])" and the fix.
+  // params, exp_avgs, exp_avg_sqs: one entry per tensor of the group, CPU, dense, contiguous; the three of one
+  // tensor have the same numel and share no memory. params fp32 (or bf16, no master); each tensor's moments in one
+  // state format told by dtype (adam_state_format.h), formats may differ between tensors. exp_avg_absmaxes /
+  // exp_avg_sq_absmaxes: empty, or one entry per tensor, defined for the int8 ones (fp32, ceil(numel / 2048)
+  // elements). label names the owner in errors ("CPUAdam"), group_index the param group. Throws c10::ValueError
+  // (c10::TypeError for a state dtype) naming "<label> param <i> of group <g> (shape [...])" and the fix.
   AdamGroup(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
-            std::string label, int64_t group_index);
+            std::string label, int64_t group_index, std::vector<at::Tensor> exp_avg_absmaxes = {},
+            std::vector<at::Tensor> exp_avg_sq_absmaxes = {});
 
   int64_t size() const { return static_cast<int64_t>(params_.size()); }
 
@@ -38,10 +41,15 @@ class AdamGroup {
   const at::Tensor& param(int64_t i) const { return params_[i]; }
   const at::Tensor& exp_avg(int64_t i) const { return exp_avgs_[i]; }
   const at::Tensor& exp_avg_sq(int64_t i) const { return exp_avg_sqs_[i]; }
+  // The int8 scales of tensor i (null unless its state is int8) and its state format.
+  const at::Tensor* exp_avg_absmax(int64_t i) const { return m_absmax_.empty() ? nullptr : &m_absmax_[i]; }
+  const at::Tensor* exp_avg_sq_absmax(int64_t i) const { return v_absmax_.empty() ? nullptr : &v_absmax_[i]; }
+  uint8_t state_type(int64_t i) const { return state_types_[i]; }
   std::string name(int64_t i) const;
 
  private:
-  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_;
+  std::vector<at::Tensor> params_, exp_avgs_, exp_avg_sqs_, m_absmax_, v_absmax_;
+  std::vector<uint8_t> state_types_;  // adam_kernel::StateType per tensor
   std::string label_;
   int64_t group_index_;
 };

@@ -18,6 +18,32 @@ struct FP16 {
 enum class ParamType : uint8_t { kFloat32, kBFloat16 };
 enum class GradType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 enum class OutType : uint8_t { kNone, kFloat32, kBFloat16, kFloat16 };
+// How the moments are stored (adam_state_format.h): fp32; bf16 (round to nearest even on store); or block-wise
+// dynamic 8-bit codes (uint8 indices into a 256-entry map) with one fp32 absmax per kQuantBlock elements.
+enum class StateType : uint8_t { kFloat32, kBFloat16, kInt8 };
+
+// Elements per quantisation block (Dettmers et al. 2022, block-wise quantization). kAdamChunk is a multiple of it,
+// so every chunk starts on a block boundary and blocks never straddle threads.
+constexpr int64_t kQuantBlock = 2048;
+
+// Nearest-code lookup of a normalised value n in [-1, 1]: bucket = its sign and the top 15 bits of |n| (exponent
+// and 7 mantissa bits), |n| < 2^-24 in bucket 0 and |n| >= 1 in the last one, so kLutBuckets buckets per sign.
+constexpr int32_t kLutBase = 0x3380;                    // (bits of 2^-24) >> 16
+constexpr int32_t kLutBuckets = 0x3F80 - kLutBase + 1;  // up to (bits of 1.0) >> 16
+
+// One dynamic 8-bit map: values[256] ascending, and thresholds[k] (k = 1..255) the smallest float >= the exact
+// midpoint of values[k-1] and values[k], so `x >= thresholds[k]` is an exact nearest-code decision in fp32.
+// lut (2 * kLutBuckets entries, negative n from kLutBuckets on): each bucket holds at most one threshold (checked
+// when built), so code(n) = c + (n >= t) with c the code of the bucket's lowest value and t its threshold: the same
+// comparison against the same threshold as a search over all 255. One 32-bit entry per bucket, so one table lookup:
+// bits 0-15 the low half of t (its high half is n's own: t lies in n's bucket), bits 16-23 c, bit 24 set if the
+// bucket holds a threshold.
+struct QuantMap {
+  const float* values = nullptr;
+  const float* thresholds = nullptr;
+  const int32_t* lut = nullptr;
+};
+constexpr int32_t kLutHasThreshold = 1 << 24;
 
 // Per-step factors, computed in double on the host and rounded to float exactly as torch rounds its Python-float
 // scalars (see adam.cpp). The kernel does, per element, in this order (fma = one rounding, like torch's vector code):
@@ -52,9 +78,15 @@ struct Factors {
 struct Args {
   void* param = nullptr;  // param_type elements, updated in place: fp32 master weights, or bf16 weights (no master)
   ParamType param_type = ParamType::kFloat32;
-  float* exp_avg = nullptr;     // fp32, updated in place
-  float* exp_avg_sq = nullptr;  // fp32, updated in place
-  const void* grad = nullptr;   // grad_type elements, read only
+  void* exp_avg = nullptr;     // state_type elements (kInt8: uint8 codes), updated in place
+  void* exp_avg_sq = nullptr;  // state_type elements (kInt8: uint8 codes), updated in place
+  StateType state_type = StateType::kFloat32;
+  // kInt8 only: one fp32 absmax per kQuantBlock elements, indexed by absolute element / kQuantBlock; the maps of
+  // exp_avg (signed) and exp_avg_sq (unsigned). Callers pass ranges whose begin is a multiple of kQuantBlock.
+  float* exp_avg_absmax = nullptr;
+  float* exp_avg_sq_absmax = nullptr;
+  QuantMap exp_avg_map, exp_avg_sq_map;
+  const void* grad = nullptr;  // grad_type elements, read only
   GradType grad_type = GradType::kFloat32;
   void* param_out = nullptr;  // out_type elements, written; null when out_type is kNone
   OutType out_type = OutType::kNone;

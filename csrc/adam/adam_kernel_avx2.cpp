@@ -53,6 +53,55 @@ struct Ops {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 
+  // int8 state (adam_kernel_quant.h): 8 codes as int32 lanes, table lookups, exact comparisons.
+  using VI = __m256i;
+  static V gather(const float* table, VI idx) { return _mm256_i32gather_ps(table, idx, 4); }
+  static VI gather(const int32_t* table, VI idx) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), idx, 4);
+  }
+  // Bucket of n in QuantMap's lookup tables (see the scalar build): integer ops on the bits, no rounding.
+  static VI lut_index(V n) {
+    const __m256i u = _mm256_castps_si256(n);
+    __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), 16),
+                                 _mm256_set1_epi32(kLutBase));
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(kLutBuckets - 1));
+    return _mm256_add_epi32(b, _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(kLutBuckets)));
+  }
+  // Code of n from its bucket's entry e (see the scalar build).
+  static VI lut_code(V n, VI e) {
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+    const __m256 t = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_andnot_si256(lo16, _mm256_castps_si256(n)), _mm256_and_si256(e, lo16)));
+    const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(n, t, _CMP_GE_OQ));
+    const __m256i has = _mm256_srai_epi32(_mm256_slli_epi32(e, 7), 31);  // bit 24 -> all ones
+    const __m256i c = _mm256_and_si256(_mm256_srli_epi32(e, 16), _mm256_set1_epi32(0xFF));
+    return _mm256_sub_epi32(c, _mm256_and_si256(ge, has));  // ge & has is -1 where the threshold is reached
+  }
+  static VI load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(uint8_t* p, VI x) {  // lanes hold 0..255: saturating packs keep them
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+  }
+  // max |x[i]| over [0, n) (n a multiple of 8); NaN if any element is NaN (tracked apart: maxps drops NaN operands
+  // depending on their position).
+  static float block_absmax(const float* x, int64_t n) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, a);
+    }
+    if (_mm256_movemask_ps(nan) != 0) return __builtin_nanf("");
+    alignas(32) float t[8];
+    _mm256_store_ps(t, m);
+    float r = t[0];
+    for (int k = 1; k < 8; ++k) r = t[k] > r ? t[k] : r;
+    return r;
+  }
+
   static Acc acc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
   // Squares in double: exact for any float, and a finite float can never overflow it, so inf/NaN in the sum means
   // inf/NaN in the gradient.

@@ -57,6 +57,49 @@ struct Ops {
   static void store_masked(BF16* p, V x, Mask k) { _mm256_mask_storeu_epi16(p, k, narrow_bf16(x)); }
   static void store_masked(FP16* p, V x, Mask k) { _mm256_mask_storeu_epi16(p, k, narrow_fp16(x)); }
 
+  // int8 state (adam_kernel_quant.h): 16 codes as int32 lanes, table lookups, exact comparisons.
+  using VI = __m512i;
+  static V gather(const float* table, VI idx) { return _mm512_i32gather_ps(idx, table, 4); }
+  static VI gather(const int32_t* table, VI idx) { return _mm512_i32gather_epi32(idx, table, 4); }
+  // Bucket of n in QuantMap's lookup tables (see the scalar build): integer ops on the bits, no rounding.
+  static VI lut_index(V n) {
+    const __m512i u = _mm512_castps_si512(n);
+    __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), 16),
+                                 _mm512_set1_epi32(kLutBase));
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(kLutBuckets - 1));
+    return _mm512_add_epi32(b, _mm512_and_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32(kLutBuckets)));
+  }
+  // Code of n from its bucket's entry e (see the scalar build).
+  static VI lut_code(V n, VI e) {
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    const __m512 t = _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_andnot_si512(lo16, _mm512_castps_si512(n)), _mm512_and_si512(e, lo16)));
+    const __mmask16 up =
+        _mm512_cmp_ps_mask(n, t, _CMP_GE_OQ) & _mm512_test_epi32_mask(e, _mm512_set1_epi32(kLutHasThreshold));
+    const __m512i c = _mm512_and_si512(_mm512_srli_epi32(e, 16), _mm512_set1_epi32(0xFF));
+    return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+  }
+  static VI load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_u8(uint8_t* p, VI x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  // max |x[i]| over [0, n) (n a multiple of 16); NaN if any element is NaN (tracked apart, see the AVX2 build).
+  static float block_absmax(const float* x, int64_t n) {
+    __m512 m = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+      nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+      m = _mm512_max_ps(m, a);
+    }
+    if (nan != 0) return __builtin_nanf("");
+    alignas(64) float t[16];
+    _mm512_store_ps(t, m);
+    float r = t[0];
+    for (int k = 1; k < 16; ++k) r = t[k] > r ? t[k] : r;
+    return r;
+  }
+
   static Acc acc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
   // Squares in double: exact, and finite floats cannot overflow them (see the AVX2 build).
   static Acc acc_add_sq(Acc a, V g) {

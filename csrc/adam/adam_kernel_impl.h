@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "adam/adam_kernel.h"
+#include "adam/adam_kernel_quant.h"
 
 namespace zeroshard::adam_kernel::impl {
 
@@ -69,18 +70,19 @@ inline void update(const Consts<Ops>& c, typename Ops::V& p, typename Ops::V& m,
   p = Ops::add(p, Ops::div(Ops::mul(c.neg_step_size, m), denom));
 }
 
-// Raw pointers of one call, as __restrict locals.
-template <class P, class G, class O>
+// Raw pointers of one call, as __restrict locals. M: how the moments are loaded and stored (float or BF16; int8
+// state is stepped on fp32 copies of one block, see run_int8).
+template <class P, class G, class O, class M = float>
 struct Ptrs {
   P* __restrict p;
-  float* __restrict m;
-  float* __restrict v;
+  M* __restrict m;
+  M* __restrict v;
   const G* __restrict g;
   O* __restrict out;
 };
 
-template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, typename Ops::Acc& acc) {
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i, typename Ops::Acc& acc) {
   using V = typename Ops::V;
   V g = Ops::load(a.g + i);
   if constexpr (kStats) acc = Ops::acc_add_sq(acc, g);
@@ -95,8 +97,8 @@ inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, ty
 }
 
 // The last r (< width) elements starting at i.
-template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, int64_t r, typename Ops::Acc& acc) {
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i, int64_t r, typename Ops::Acc& acc) {
   using V = typename Ops::V;
   if constexpr (Ops::kMasked) {
     // Masked loads read zeros beyond r (g = 0 adds nothing to the statistics); masked stores write only r lanes.
@@ -117,34 +119,31 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O>& a, int64_t i, i
     constexpr int64_t W = Ops::kWidth;
     using OB = std::conditional_t<std::is_same_v<O, NoOut>, float, O>;
     alignas(64) P pb[W] = {};
-    alignas(64) float mb[W] = {}, vb[W] = {};
+    alignas(64) M mb[W] = {}, vb[W] = {};
     alignas(64) G gb[W] = {};
     alignas(64) OB ob[W] = {};
     __builtin_memcpy(pb, a.p + i, r * sizeof(P));
-    __builtin_memcpy(mb, a.m + i, r * sizeof(float));
-    __builtin_memcpy(vb, a.v + i, r * sizeof(float));
+    __builtin_memcpy(mb, a.m + i, r * sizeof(M));
+    __builtin_memcpy(vb, a.v + i, r * sizeof(M));
     __builtin_memcpy(gb, a.g + i, r * sizeof(G));
-    const Ptrs<P, G, O> b{pb, mb, vb, gb, reinterpret_cast<O*>(ob)};
-    step_vec<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, b, 0, acc);
+    const Ptrs<P, G, O, M> b{pb, mb, vb, gb, reinterpret_cast<O*>(ob)};
+    step_vec<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, b, 0, acc);
     if constexpr (!std::is_same_v<O, NoOut>) __builtin_memcpy(a.out + i, ob, r * sizeof(O));
     __builtin_memcpy(a.p + i, pb, r * sizeof(P));
-    __builtin_memcpy(a.m + i, mb, r * sizeof(float));
-    __builtin_memcpy(a.v + i, vb, r * sizeof(float));
+    __builtin_memcpy(a.m + i, mb, r * sizeof(M));
+    __builtin_memcpy(a.v + i, vb, r * sizeof(M));
   }
 }
 
-template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-double run_typed(const Args& args, int64_t begin, int64_t end) {
+// The loop over [begin, end) of one set of pointers: whole vectors, then one tail.
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+inline void loop(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t begin, int64_t end, int64_t ahead,
+                 typename Ops::Acc& acc) {
   constexpr int64_t W = Ops::kWidth;
-  const int64_t ahead = args.prefetch_elems;
-  const Consts<Ops> c(args.f);
-  const Ptrs<P, G, O> a{static_cast<P*>(args.param), args.exp_avg, args.exp_avg_sq, static_cast<const G*>(args.grad),
-                        static_cast<O*>(args.param_out)};
-  auto acc = Ops::acc_zero();
-  int64_t i = begin;
   // Prefetch one cache line of each stream per 64 bytes of fp32 progress; lines past `end` are harmless hints.
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
   static_assert(kLine % W == 0 || W % kLine == 0, "vector width and cache line must nest");
+  int64_t i = begin;
   for (; i + W <= end; i += W) {
     // one vector covers at least one line of fp32, or this vector starts one
     if (ahead > 0 && (W >= kLine || (i & (kLine - 1)) == 0)) {
@@ -153,9 +152,68 @@ double run_typed(const Args& args, int64_t begin, int64_t end) {
       prefetch_w(a.v, i + ahead);
       prefetch(a.g, i + ahead);
     }
-    step_vec<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
+    step_vec<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
   }
-  if (i < end) step_tail<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, a, i, end - i, acc);
+  if (i < end) step_tail<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, a, i, end - i, acc);
+}
+
+// int8 state, one kQuantBlock block at a time: dequantise both moments into fp32 stack buffers (L1-resident), run
+// the same loop as the fp32 path on them (so the update and the gradient statistics have the fp32 path's bits and
+// order), then requantise (new absmax first, then the nearest code) and write codes and absmax back once.
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+void run_int8(const Consts<Ops>& c, const Args& args, int64_t begin, int64_t end, typename Ops::Acc& acc) {
+  alignas(64) float mb[kQuantBlock], vb[kQuantBlock];
+  auto* const mq = static_cast<uint8_t*>(args.exp_avg);
+  auto* const vq = static_cast<uint8_t*>(args.exp_avg_sq);
+  P* const p = static_cast<P*>(args.param);
+  const G* const g = static_cast<const G*>(args.grad);
+  O* const out = static_cast<O*>(args.param_out);
+  for (int64_t b = begin; b < end; b += kQuantBlock) {
+    const int64_t len = end - b < kQuantBlock ? end - b : kQuantBlock;
+    const int64_t blk = b / kQuantBlock;
+    // The next block's codes are 2 KiB ahead on each stream: prefetch them while this block computes.
+    for (int64_t k = 0; k < kQuantBlock && b + kQuantBlock + k < end; k += 64) {
+      prefetch_w(mq, b + kQuantBlock + k);
+      prefetch_w(vq, b + kQuantBlock + k);
+    }
+    dequant_block<Ops>(mq + b, len, args.exp_avg_map.values, args.exp_avg_absmax[blk], mb);
+    dequant_block<Ops>(vq + b, len, args.exp_avg_sq_map.values, args.exp_avg_sq_absmax[blk], vb);
+    O* const ob = [&] {
+      if constexpr (std::is_same_v<O, NoOut>) {
+        return out;
+      } else {
+        return out + b;
+      }
+    }();
+    const Ptrs<P, G, O, float> a{p + b, mb, vb, g + b, ob};
+    loop<Ops, P, G, O, float, kStats, kDecay, kLerpSmall, kScale>(c, a, 0, len, args.prefetch_elems, acc);
+    args.exp_avg_absmax[blk] = quant_block<Ops>(mb, len, args.exp_avg_map, mq + b);
+    args.exp_avg_sq_absmax[blk] = quant_block<Ops>(vb, len, args.exp_avg_sq_map, vq + b);
+  }
+}
+
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+double run_typed(const Args& args, int64_t begin, int64_t end) {
+  const Consts<Ops> c(args.f);
+  auto acc = Ops::acc_zero();
+  P* const p = static_cast<P*>(args.param);
+  const G* const g = static_cast<const G*>(args.grad);
+  O* const out = static_cast<O*>(args.param_out);
+  switch (args.state_type) {
+    case StateType::kBFloat16: {
+      const Ptrs<P, G, O, BF16> a{p, static_cast<BF16*>(args.exp_avg), static_cast<BF16*>(args.exp_avg_sq), g, out};
+      loop<Ops, P, G, O, BF16, kStats, kDecay, kLerpSmall, kScale>(c, a, begin, end, args.prefetch_elems, acc);
+      break;
+    }
+    case StateType::kInt8:
+      run_int8<Ops, P, G, O, kStats, kDecay, kLerpSmall, kScale>(c, args, begin, end, acc);
+      break;
+    case StateType::kFloat32: {
+      const Ptrs<P, G, O, float> a{p, static_cast<float*>(args.exp_avg), static_cast<float*>(args.exp_avg_sq), g, out};
+      loop<Ops, P, G, O, float, kStats, kDecay, kLerpSmall, kScale>(c, a, begin, end, args.prefetch_elems, acc);
+      break;
+    }
+  }
   return kStats ? Ops::acc_sum(acc) : 0.0;
 }
 
@@ -224,8 +282,8 @@ void traffic(const Args& args, int64_t begin, int64_t end) {
   const int64_t ahead = args.prefetch_elems;
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(float));
   float* __restrict p = static_cast<float*>(args.param);
-  float* __restrict m = args.exp_avg;
-  float* __restrict v = args.exp_avg_sq;
+  float* __restrict m = static_cast<float*>(args.exp_avg);
+  float* __restrict v = static_cast<float*>(args.exp_avg_sq);
   const float* __restrict g = static_cast<const float*>(args.grad);
   int64_t i = begin;
   for (; i + W <= end; i += W) {

@@ -86,6 +86,36 @@ struct Ops {
   static void store(BF16* p, V x) { *p = float_to_bf16(x); }
   static void store(FP16* p, V x) { *p = float_to_fp16(x); }
 
+  // int8 state (adam_kernel_quant.h): codes as int32 lanes, table lookups, exact comparisons.
+  using VI = int32_t;
+  static V gather(const float* table, VI idx) { return table[idx]; }
+  static VI gather(const int32_t* table, VI idx) { return table[idx]; }
+  // Bucket of n in QuantMap's lookup tables: sign, then (|n| bits >> 16) - kLutBase clamped to [0, kLutBuckets).
+  static VI lut_index(V n) {
+    const uint32_t u = bits_of(n);
+    int32_t b = static_cast<int32_t>((u & 0x7FFFFFFFu) >> 16) - kLutBase;
+    b = b < 0 ? 0 : (b > kLutBuckets - 1 ? kLutBuckets - 1 : b);
+    return (u >> 31) != 0 ? b + kLutBuckets : b;
+  }
+  // Code of n from its bucket's entry e (QuantMap): c + (n >= t), t = n's high 16 bits and e's low 16 bits.
+  static VI lut_code(V n, VI e) {
+    const float t = float_of((bits_of(n) & 0xFFFF0000u) | (static_cast<uint32_t>(e) & 0xFFFFu));
+    return ((e >> 16) & 0xFF) + ((e & kLutHasThreshold) != 0 && n >= t ? 1 : 0);
+  }
+  static VI load_u8(const uint8_t* p) { return *p; }
+  static void store_u8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
+  // max |x[i]| over [0, n); NaN if any element is NaN.
+  static float block_absmax(const float* x, int64_t n) {
+    float m = 0.f;
+    bool nan = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = __builtin_fabsf(x[i]);
+      nan |= a != a;
+      m = a > m ? a : m;
+    }
+    return nan ? __builtin_nanf("") : m;
+  }
+
   static Acc acc_zero() { return 0.0; }
   // float * float is exact in double, so this is the same sum of squares the vector builds form per lane.
   static Acc acc_add_sq(Acc acc, V g) { return acc + static_cast<double>(g) * static_cast<double>(g); }

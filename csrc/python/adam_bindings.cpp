@@ -21,15 +21,20 @@ void bind_adam(py::module_& m) {
       [](const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
          int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw_mode,
          bool bias_correction, const std::optional<at::Tensor>& param_out, bool compute_grad_stats,
-         const std::optional<std::string>& isa, double grad_unscale,
-         double grad_clip) -> std::optional<std::tuple<double, bool>> {
+         const std::optional<std::string>& isa, double grad_unscale, double grad_clip,
+         const std::optional<at::Tensor>& exp_avg_absmax,
+         const std::optional<at::Tensor>& exp_avg_sq_absmax) -> std::optional<std::tuple<double, bool>> {
         AdamHyper h{step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip};
+        std::optional<AdamStateScales> scales;
+        if (exp_avg_absmax || exp_avg_sq_absmax) {
+          scales = AdamStateScales{exp_avg_absmax.value_or(at::Tensor()), exp_avg_sq_absmax.value_or(at::Tensor())};
+        }
         std::optional<GradStats> stats;
         {
           // The step touches only tensor memory, never Python objects: let other Python threads run.
           py::gil_scoped_release no_gil;
           stats = adam_step(param, grad, exp_avg, exp_avg_sq, h, param_out, compute_grad_stats,
-                            isa ? std::optional<std::string_view>(*isa) : std::nullopt);
+                            isa ? std::optional<std::string_view>(*isa) : std::nullopt, scales);
         }
         if (!stats) return std::nullopt;
         return std::make_tuple(stats->grad_sq_sum, stats->found_inf);
@@ -38,14 +43,31 @@ void bind_adam(py::module_& m) {
       py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw_mode"),
       py::arg("bias_correction"), py::arg("param_out") = py::none(), py::arg("compute_grad_stats") = false,
       py::arg("isa") = py::none(), py::arg("grad_unscale") = 1.0, py::arg("grad_clip") = 1.0,
+      py::arg("exp_avg_absmax") = py::none(), py::arg("exp_avg_sq_absmax") = py::none(),
       "Fused Adam/AdamW step in place on CPU tensors; see zeroshard.ops.adam_step. Returns None, or "
       "(grad_sq_sum: float, found_inf: bool) when compute_grad_stats.");
   py::class_<AdamGroup>(m, "AdamGroup", R"doc(
 The tensors of one param group of the fused CPU Adam, checked once: AdamGroup(params, exp_avgs, exp_avg_sqs, label,
-group_index). Each list has one fp32, CPU, dense, contiguous tensor per parameter. Raises ValueError naming
-"<label> param <i> of group <group_index> (shape ...)" and the fix. Step with adam_step_groups.)doc")
-      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, std::string, int64_t>(),
-           py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("label"), py::arg("group_index"))
+group_index, exp_avg_absmaxes=None, exp_avg_sq_absmaxes=None). Each list has one CPU, dense, contiguous tensor per
+parameter; the moments of each in one state format (float32, bfloat16, or uint8 codes with fp32 absmax lists, None
+where a tensor's state is not int8; see zeroshard.ops.adam_step). Raises ValueError (TypeError for a state dtype)
+naming "<label> param <i> of group <group_index> (shape ...)" and the fix. Step with adam_step_groups.)doc")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
+                       std::vector<at::Tensor> exp_avg_sqs, std::string label, int64_t group_index,
+                       const std::optional<std::vector<std::optional<at::Tensor>>>& m_absmax,
+                       const std::optional<std::vector<std::optional<at::Tensor>>>& v_absmax) {
+             const auto unwrap = [](const std::optional<std::vector<std::optional<at::Tensor>>>& l) {
+               std::vector<at::Tensor> out;
+               if (l) {
+                 for (const auto& t : *l) out.push_back(t ? *t : at::Tensor());
+               }
+               return out;
+             };
+             return AdamGroup(std::move(params), std::move(exp_avgs), std::move(exp_avg_sqs), std::move(label),
+                              group_index, unwrap(m_absmax), unwrap(v_absmax));
+           }),
+           py::arg("params"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("label"), py::arg("group_index"),
+           py::arg("exp_avg_absmaxes") = py::none(), py::arg("exp_avg_sq_absmaxes") = py::none())
       .def("__len__", &AdamGroup::size);
   m.def(
       "adam_step_groups",
@@ -88,6 +110,12 @@ Returns None, or (grad_sq_sum, found_inf) when compute_grad_stats.)doc");
       py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("isa") = py::none(),
       "adam_step's fp32 memory traffic with no arithmetic (values unchanged); see "
       "zeroshard.ops.adam_traffic_reference.");
+  m.attr("ADAM_QUANT_BLOCK") = kAdamQuantBlock;
+  m.def("adam_dynamic_map", &adam_dynamic_map, py::arg("signed"),
+        "The 256-value dynamic 8-bit map of int8 Adam state (signed: exp_avg, unsigned: exp_avg_sq), ascending fp32; "
+        "see zeroshard.ops.dynamic_map.");
+  m.def("adam_dynamic_map_thresholds", &adam_dynamic_map_thresholds, py::arg("signed"),
+        "Exact nearest-code thresholds of that map (element k: smallest float >= midpoint of values k-1 and k).");
   m.def(
       "cpu_isa", []() { return zeroshard::cpu_isa(); },
       "Name of the ISA the fused CPU Adam uses now: 'scalar', 'avx2' or 'avx512' (honours ZEROSHARD_CPU_ISA).");

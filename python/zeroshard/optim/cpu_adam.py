@@ -12,11 +12,19 @@ import torch
 import torch.optim.optimizer as _torch_optimizer
 
 from zeroshard import _C
+from zeroshard.optim.state_format import (
+    ABSMAX_KEYS,
+    check_state_dtype,
+    convert_moments,
+    format_of,
+    new_moments,
+)
 
 __all__ = ["CPUAdam"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _EXP_AVG, _EXP_AVG_SQ = operator.itemgetter("exp_avg"), operator.itemgetter("exp_avg_sq")
+_M_ABSMAX, _V_ABSMAX = operator.itemgetter("exp_avg_absmax"), operator.itemgetter("exp_avg_sq_absmax")
 _STEP = operator.itemgetter("step")
 _data_ptr = torch.Tensor.data_ptr
 
@@ -83,18 +91,28 @@ class CPUAdam(torch.optim.Optimizer):
         weight_decay: ``>= 0``; decoupled (AdamW) or L2 (Adam) by ``adamw_mode``.
         adamw_mode: keyword only; True = AdamW (Loshchilov & Hutter 2019), False = Adam with L2 penalty.
         bias_correction: keyword only; Adam's bias correction (Kingma & Ba 2015, Alg. 1). torch always applies it.
+        state_dtype: keyword only; how the moments are kept (``zeroshard.optim.state_format``):
+            ``torch.float32`` (default, torch's format), ``torch.bfloat16`` (fp32 math, moments rounded to nearest
+            even on store), or ``"int8"``: block-wise dynamic 8-bit moments (Dettmers et al. 2022, bitsandbytes'
+            scheme; see ``zeroshard.ops.adam_step``). The fp32 master weights (the parameters) are kept as they are.
 
     Gradients: ``p.grad`` (the parameter's dtype, as torch requires), or bf16 / fp16 / fp32 gradients passed to
     :meth:`step` as ``grads={param: grad}``: the kernel upcasts them while loading, with no separate conversion pass
     (``zeroshard.ops.adam_step``).
 
-    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (fp32 for fp32 and bf16
-    parameters alike): the same keys and layout as ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into
-    either and theirs load into this (a torch group's ``decoupled_weight_decay`` sets ``adamw_mode``; moments torch
-    loaded as bf16 are kept as fp32).
+    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (for
+    fp32 and bf16 parameters alike). With the default fp32 format these are the keys and layout of
+    ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into either and theirs load into this (a torch group's
+    ``decoupled_weight_decay`` sets ``adamw_mode``). bf16 format: the same keys, bf16 tensors. int8 format:
+    ``exp_avg`` / ``exp_avg_sq`` are uint8 codes shaped like the parameter, plus ``exp_avg_absmax`` /
+    ``exp_avg_sq_absmax``, fp32 of ``ceil(numel / 2048)`` elements; ``zeroshard.optim.state_format.moments_fp32``
+    turns either into fp32 moments. ``state_dict()`` holds the state as it is kept (no fp32 copy).
+    ``load_state_dict`` takes any of the three formats and converts to ``state_dtype``: same format as is;
+    otherwise through exact fp32 values, then bf16 round to nearest even or the kernel's int8 quantisation.
 
     Raises:
-        ValueError: in ``__init__`` for an out-of-range hyperparameter (naming the value). In ``step`` for a bad
+        ValueError: in ``__init__`` for an out-of-range hyperparameter (naming the value) or an unsupported
+            ``state_dtype`` (naming the accepted ones). In ``step`` for a bad
             group hyperparameter, ``amsgrad``/``maximize`` set by a loaded torch state, or a parameter / gradient /
             state tensor that is not on the CPU, sparse, non-contiguous, of a wrong dtype or size (naming the
             parameter's group and index and the fix). All checks run before any parameter or state is modified.
@@ -110,8 +128,10 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         adamw_mode: bool = True,
         bias_correction: bool = True,
+        state_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
+        self.state_dtype = check_state_dtype(state_dtype)
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -126,6 +146,7 @@ class CPUAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("state_dtype", torch.float32)
         for group in self.param_groups:
             # Groups loaded from torch.optim.Adam/AdamW carry decoupled_weight_decay instead of adamw_mode.
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
@@ -144,20 +165,39 @@ class CPUAdam(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``, except that the moments of bf16 parameters stay fp32:
-        torch casts every floating state tensor to its parameter's dtype, which would round them to bf16."""
+        """As ``torch.optim.Optimizer.load_state_dict``, except that the moments keep or take ``state_dtype``
+        (torch casts every floating state tensor to its parameter's dtype: bf16 moments of fp32 parameters would
+        become fp32, fp32 moments of bf16 parameters bf16, int8 absmax of bf16 parameters bf16). Moments saved in
+        another format are converted (see the class docstring). Raises ValueError naming a parameter whose saved
+        state is incomplete (exp_avg / exp_avg_sq missing, or an absmax of uint8 moments)."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        moments = {
-            i: {k: v for k, v in state_dict["state"][i].items() if k in _MOMENTS and isinstance(v, torch.Tensor)}
-            for i in saved_ids
-            if i in state_dict["state"]
-        }
+        moments = {}
+        for i in saved_ids:
+            st = state_dict["state"].get(i, {})
+            keys = [k for k in (*_MOMENTS, *ABSMAX_KEYS) if isinstance(st.get(k), torch.Tensor)]
+            if not keys:
+                continue
+            if not all(k in keys for k in _MOMENTS) or (
+                st["exp_avg"].dtype == torch.uint8 and not all(k in keys for k in ABSMAX_KEYS)
+            ):
+                raise ValueError(
+                    f"CPUAdam.load_state_dict: the state of saved param {i} has only {keys}; a complete Adam state "
+                    f"has exp_avg and exp_avg_sq (int8: also {list(ABSMAX_KEYS)})"
+                )
+            moments[i] = {k: st[k] for k in keys}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
+        fmt = self.state_dtype
         for i, p in zip(saved_ids, params):
-            if p.dtype != torch.float32 and i in moments and p in self.state:
-                for k, v in moments[i].items():
-                    self.state[p][k] = v.to(dtype=torch.float32, device=p.device, copy=True).contiguous()
+            if i not in moments or p not in self.state:
+                continue
+            saved = moments[i]
+            if fmt == torch.float32 and p.dtype == torch.float32 and format_of(saved) == torch.float32:
+                continue  # torch's own load: nothing to convert
+            st = self.state[p]
+            for k in ABSMAX_KEYS:
+                st.pop(k, None)
+            st.update(convert_moments(saved, fmt, p.shape))
         self._plans = {}
 
     @step_hooks
@@ -197,7 +237,7 @@ class CPUAdam(torch.optim.Optimizer):
                 gl = [grads.get(p, p.grad) for p in params]
             plan = self._plans.get(gi)
             if plan is None or not plan.current(params, state, gl, same_state):
-                plan = _GroupPlan(gi, params, state, gl, self._new_state)
+                plan = _GroupPlan(gi, params, state, gl, self._new_state, self.state_dtype)
                 self._plans[gi] = plan
             ready = plan.ready_grads(gl)
             beta1, beta2 = group["betas"]
@@ -212,13 +252,9 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """Fresh state of ``p`` in torch's keys: ``step`` (a plain number here), fp32 zero moments shaped like ``p``
-        (fp32 also for a bf16 ``p``), on the CPU."""
-        return {
-            "step": 0,
-            "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-            "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32),
-        }
+        """Fresh state of ``p``: ``step`` (a plain number here) and zero moments shaped like ``p`` in
+        ``state_dtype`` (also for a bf16 ``p``), on the CPU; int8 adds the zero absmax tensors."""
+        return {"step": 0, **new_moments(p.shape, self.state_dtype)}
 
 
 class _GroupPlan:
@@ -237,9 +273,14 @@ class _GroupPlan:
     the flat kernel steps the same, or a shrinking slice, whose gradient the core then refuses by size.
     """
 
-    __slots__ = ("params", "states", "ready", "stateless", "pending", "cpp", "stepped", "stepped_states", "ptrs")
+    __slots__ = (
+        "params", "states", "ready", "stateless", "pending", "cpp", "stepped", "stepped_states", "ptrs", "int8",
+    )  # fmt: skip
 
-    def __init__(self, gi: int, params: list, state: dict, grads: list, new_state: Callable) -> None:
+    def __init__(
+        self, gi: int, params: list, state: dict, grads: list, new_state: Callable, state_dtype: Any = torch.float32
+    ) -> None:
+        self.int8 = state_dtype == "int8"
         self.params = list(params)
         self.states = [state.get(p) for p in params]
         self.ready: list[int] = []  # indices of parameters the core steps (they have, or are about to get, state)
@@ -258,21 +299,28 @@ class _GroupPlan:
         self.stepped = [self.params[i] for i in self.ready]
         self.stepped_states = [self.states[i] for i in self.ready]
         for i, p, st in zip(self.ready, self.stepped, self.stepped_states):
-            _check_state(gi, i, p, st)
+            _check_state(gi, i, p, st, state_dtype)
+        sts = self.stepped_states
         self.cpp = _C.AdamGroup(
             [p.detach() for p in self.stepped],
-            [st["exp_avg"].detach() for st in self.stepped_states],
-            [st["exp_avg_sq"].detach() for st in self.stepped_states],
+            [st["exp_avg"].detach() for st in sts],
+            [st["exp_avg_sq"].detach() for st in sts],
             "CPUAdam",
             gi,
+            [st["exp_avg_absmax"].detach() for st in sts] if self.int8 else None,
+            [st["exp_avg_sq_absmax"].detach() for st in sts] if self.int8 else None,
         )
         self.ptrs = self.pointers()
 
     def pointers(self) -> list[int]:
-        """Data pointers of every stepped parameter, then of their ``exp_avg``, then of their ``exp_avg_sq``, as the
-        group's objects hold them now (KeyError / TypeError / RuntimeError if a state entry is gone or no tensor)."""
+        """Data pointers of every stepped parameter, then of their ``exp_avg``, then of their ``exp_avg_sq`` (int8:
+        then of both absmax tensors), as the group's objects hold them now (KeyError / TypeError / RuntimeError if
+        a state entry is gone or no tensor)."""
         sts = self.stepped_states
-        return list(map(_data_ptr, chain(self.stepped, map(_EXP_AVG, sts), map(_EXP_AVG_SQ, sts))))
+        tensors = chain(self.stepped, map(_EXP_AVG, sts), map(_EXP_AVG_SQ, sts))
+        if self.int8:
+            tensors = chain(tensors, map(_M_ABSMAX, sts), map(_V_ABSMAX, sts))
+        return list(map(_data_ptr, tensors))
 
     def current(self, params: list, state: dict, grads: list, same_state: bool = False) -> bool:
         """Still valid: the same parameters and state dicts, no gradient for a parameter without state, and the same
@@ -343,18 +391,24 @@ def step_count(step: Any) -> int:
     return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
 
 
-def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any]) -> None:
-    """The state of param ``i`` of group ``gi`` holds ``step`` and fp32 moments of ``p``'s size (the core checks the
-    rest: device, layout, contiguity, aliasing). Raises ValueError naming the parameter and the fix."""
+_FIX = {torch.float32: "t.float()", torch.bfloat16: "t.bfloat16()", "int8": "zeroshard.ops.quantize_state(t)"}
+
+
+def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any], state_dtype: Any = torch.float32) -> None:
+    """The state of param ``i`` of group ``gi`` holds ``step`` and moments of ``p``'s size in ``state_dtype`` (int8:
+    with both absmax tensors; the core checks the rest: their sizes, device, layout, contiguity, aliasing). Raises
+    ValueError naming the parameter and the fix."""
     what = f"CPUAdam param {i} of group {gi} (shape {list(p.shape)}, {p.dtype})"
     m, v = st.get("exp_avg"), st.get("exp_avg_sq")
     if not isinstance(m, torch.Tensor) or not isinstance(v, torch.Tensor) or "step" not in st:
         raise ValueError(f"{what}: its state lacks step, exp_avg or exp_avg_sq; load a complete Adam/AdamW state_dict")
+    int8 = state_dtype == "int8"
+    want = torch.uint8 if int8 else state_dtype
     for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
-        if t.dtype != torch.float32:
+        if t.dtype != want:
             raise ValueError(
-                f"state['{key}'] of {what} is {t.dtype}; CPUAdam keeps torch.float32 moments (also for bf16 "
-                f"parameters): assign t.float()"
+                f"state['{key}'] of {what} is {t.dtype}; this CPUAdam (state_dtype={state_dtype!r}) keeps {want} "
+                f"moments (also for bf16 parameters): assign {_FIX[state_dtype]}, or load_state_dict to convert"
             )
         if t.numel() != p.numel():
             raise ValueError(
@@ -362,6 +416,13 @@ def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any]) -> None:
                 f"{p.numel()} (one of them was replaced by a tensor of another size): give both the same size, or "
                 f"`del optimizer.state[param]` to restart its moments"
             )
+    if int8:
+        for key in ABSMAX_KEYS:
+            if not isinstance(st.get(key), torch.Tensor):
+                raise ValueError(
+                    f"{what}: its int8 state lacks {key} (one fp32 absmax per 2048 elements); load a complete "
+                    f"state_dict, or `del optimizer.state[param]` to restart its moments"
+                )
 
 
 def _torch_state(st: dict[str, Any]) -> dict[str, Any]:
