@@ -60,12 +60,12 @@ test: lint test-cpp test-python
 lint: dev-venv
 	$(VENV)/bin/ruff check $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
-	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
+	$(VENV)/bin/clang-format --dry-run --Werror $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp' 'tests/cpp/*.h')
 
 format: dev-venv
 	$(VENV)/bin/ruff check --fix $(PYTHON_DIRS)
 	$(VENV)/bin/ruff format $(PYTHON_DIRS)
-	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp')
+	$(VENV)/bin/clang-format -i $$(git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'tests/cpp/*.cpp' 'tests/cpp/*.h')
 
 # The main job on its defaults: a GPT trained on real text, 2 CPU processes, ZeRO stage 2.
 demo: ext

@@ -15,23 +15,14 @@
 
 #include "adam/adam.h"
 #include "adam/cpu_isa.h"
+#include "isa_support.h"
 
 namespace zeroshard {
 namespace {
 
-const std::vector<std::string> kIsas = {"scalar", "avx2", "avx512"};
+using test_isa::kIsas;
+using test_isa::supported;
 const std::vector<int64_t> kSizes = {1, 7, 8, 9, 15, 16, 17, 31, 33, 1023, kAdamChunk + 17, 1'000'003};
-
-bool supported(const std::string& isa) {
-  for (CpuIsa s : supported_cpu_isas())
-    if (isa == cpu_isa_name(s)) return true;
-  return false;
-}
-
-#define SKIP_IF_UNSUPPORTED(isa)                                                                                     \
-  if (!supported(isa)) {                                                                                             \
-    GTEST_SKIP() << "this CPU (or its OS) cannot run the " << isa << " build; it supports " << zeroshard::cpu_isa(); \
-  }
 
 struct State {
   at::Tensor p, m, v;

@@ -17,23 +17,14 @@
 #include "adam/adam.h"
 #include "adam/adam_state_format.h"
 #include "adam/cpu_isa.h"
+#include "isa_support.h"
 
 namespace zeroshard {
 namespace {
 
-const std::vector<std::string> kIsas = {"scalar", "avx2", "avx512"};
+using test_isa::kIsas;
+using test_isa::supported;
 const std::vector<int64_t> kSizes = {1, 7, 2047, 2048, 2049, 3 * 2048 + 5, kAdamChunk + 3 * 2048 + 17};
-
-bool supported(const std::string& isa) {
-  for (CpuIsa s : supported_cpu_isas())
-    if (isa == cpu_isa_name(s)) return true;
-  return false;
-}
-
-#define SKIP_IF_UNSUPPORTED(isa)                                                                                     \
-  if (!supported(isa)) {                                                                                             \
-    GTEST_SKIP() << "this CPU (or its OS) cannot run the " << isa << " build; it supports " << zeroshard::cpu_isa(); \
-  }
 
 bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return a.scalar_type() == b.scalar_type() && a.numel() == b.numel() &&
