@@ -81,7 +81,7 @@ def held_out_prompt(val_tokens: torch.Tensor, max_bytes: int = 96) -> str:
     (``def name(...):`` at any indentation, at most ``max_bytes`` long, with its indentation) followed by its newline,
     so the model writes the body. The model never trained on these bytes. ``"def "`` if the split has no such line
     (e.g. a ``--data`` file that is not Python)."""
-    text = bytes(val_tokens[: 1 << 20].tolist()).decode("utf-8", errors="replace")
+    text = val_tokens[: 1 << 20].numpy().tobytes().decode("utf-8", errors="replace")
     lines = text.split("\n")[1:]  # the first line may start mid-line
     for line in lines:
         body = line.lstrip(" ")
