@@ -18,6 +18,9 @@ config's own and a crash loses only that config. Configs, in order:
   ``CPUOffloadPolicy()`` and ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; ``torch.optim.AdamW``
   (default implementation: foreach) steps the fp32 parameters on the host.
 * ``fsdp2_cpu_offload_fused``: the same with ``AdamW(fused=True)`` (torch's fused CPU kernel).
+* ``fsdp2_no_offload`` / ``fsdp2_no_offload_fused``: the same FSDP2 wrapping without ``CPUOffloadPolicy``: fp32
+  sharded parameters and AdamW (foreach / fused) on the GPU, against ``zeroshard_no_offload`` (issue 22's stage-3
+  goal without offload on one GPU).
 
 Every training config builds the examples' GPT (``examples/gpt.py``) with the same seed on the compute device (so all
 configs start from identical weights), trains ``--warmup`` + ``--steps`` AdamW steps (lr ``--lr``, weight decay 0.1)
@@ -81,6 +84,8 @@ CONFIGS = {
     "deepspeed_opt_param_offload": "DeepSpeed ZeRO-3 + offload_optimizer + offload_param to pinned CPU memory, bf16",
     "fsdp2_cpu_offload": "fully_shard per Block + root, CPUOffloadPolicy, bf16 params, fp32 reduce, AdamW foreach",
     "fsdp2_cpu_offload_fused": "as fsdp2_cpu_offload with torch.optim.AdamW(fused=True) on the host parameters",
+    "fsdp2_no_offload": "fully_shard per Block + root, no offload, bf16 params, fp32 reduce, AdamW foreach on the GPU",
+    "fsdp2_no_offload_fused": "as fsdp2_no_offload with torch.optim.AdamW(fused=True) on the GPU",
 }
 CUDA_ONLY = {"pinned_copy"}
 
@@ -321,15 +326,16 @@ def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta
     return num_params, engine, forward_backward, optimizer_step
 
 
-def setup_fsdp2(args: argparse.Namespace, device, fused: bool):
-    """(params, optimizer, forward_backward, optimizer_step) for FSDP2 with CPUOffloadPolicy (none on a CPU device)."""
+def setup_fsdp2(args: argparse.Namespace, device, fused: bool, offload: bool = True):
+    """(params, optimizer, forward_backward, optimizer_step) for FSDP2 with CPUOffloadPolicy (``offload``; never on a
+    CPU device) or without it."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model = build_gpt(args, device)
     num_params = sum(p.numel() for p in model.parameters())
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    if device.type == "cuda":
+    if offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -390,7 +396,9 @@ def run_training(name: str, args: argparse.Namespace, device) -> dict:
         )
         engine = None
     else:
-        num_params, _, forward_backward, optimizer_step = setup_fsdp2(args, device, name.endswith("fused"))
+        num_params, _, forward_backward, optimizer_step = setup_fsdp2(
+            args, device, name.endswith("fused"), offload="cpu_offload" in name
+        )
         engine = None
     setup_s = time.perf_counter() - t
     print(f"  {name}: {num_params:,} params, setup {setup_s:.1f} s", flush=True)
@@ -542,6 +550,8 @@ RATIOS = [
     ("zeroshard_opt_offload", "fsdp2_cpu_offload_fused"),
     ("zeroshard_opt_offload", "fsdp2_cpu_offload"),
     ("zeroshard_opt_offload", "zeroshard_no_offload"),
+    ("zeroshard_no_offload", "fsdp2_no_offload"),
+    ("zeroshard_no_offload", "fsdp2_no_offload_fused"),
 ]
 
 
