@@ -330,11 +330,17 @@ def setup_fsdp2(args: argparse.Namespace, device, fused: bool, offload: bool = T
     """(params, optimizer, forward_backward, optimizer_step) for FSDP2 with CPUOffloadPolicy (``offload``; never on a
     CPU device) or without it."""
     import torch
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model = build_gpt(args, device)
     num_params = sum(p.numel() for p in model.parameters())
-    kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    # The mesh names the device: fully_shard's default mesh is on CUDA whenever a GPU exists, also in --smoke.
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
     if offload and device.type == "cuda":
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in model.blocks:

@@ -33,7 +33,9 @@ if ! { cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXEC
   log "build FAILED"
   exit 1
 fi
-grep -E "CUDA parts|torch is built" "$OUT/build.log"
+grep -E "CUDA parts|torch is built|C\+\+ runtime" "$OUT/build.log"
+# One C++ runtime in the process: _C must load the shared libstdc++, not carry a static copy (CMakeLists.txt).
+readelf -d python/zeroshard/_C*.so | grep -E "NEEDED.*libstdc" || echo "WARNING: _C does not load the shared libstdc++"
 log "build done"
 
 export PYTHONPATH="$PWD/python:$PWD/examples" PYTHONUNBUFFERED=1
@@ -49,7 +51,7 @@ timeout 200 "$PY" benchmarks/bench_offload.py --configs zeroshard_no_offload,fsd
 T=$(($(left) - 10))
 if [ "$T" -gt 30 ]; then
   log "all other tests in tests/python, pytest-xdist, stopped after $T s"
-  timeout -s INT "$T" "${PYTEST[@]}" -n 14 -m "not gpu and not multi_gpu" tests/python >"$OUT/pytest_all.log" 2>&1
+  timeout -s INT "$T" "${PYTEST[@]}" -n 8 -m "not gpu and not multi_gpu" tests/python >"$OUT/pytest_all.log" 2>&1
   tail -25 "$OUT/pytest_all.log"
 else
   log "no time left for the rest of tests/python"

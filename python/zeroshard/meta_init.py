@@ -117,12 +117,20 @@ class _SkipMetaInitializers(TorchFunctionMode):
     (:mod:`zeroshard.init.ctor_draws`), in order. A scoped torch function mode, like ``torch.device`` itself; nothing
     is patched."""
 
-    def __init__(self, log: DrawLog) -> None:
+    def __init__(self, log: DrawLog, whole_calls: list) -> None:
         super().__init__()
         self.log = log
+        self.whole_calls = whole_calls  # frames of _SILENT_ON_META calls in progress, recorded whole by the hook
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.whole_calls:
+            # Inside an initialiser the profile hook recorded whole (torch 2.11's trunc_normal_ runs uniform_,
+            # erfinv_, mul_, add_, clamp_ on meta): its own writes are part of that record, not draws of their own.
+            target = write_target(func, args, kwargs)
+            if target is not None and target.is_meta and func in _VALUE_ONLY_INITIALIZERS:
+                return target
+            return func(*args, **kwargs)
         target = write_target(func, args, kwargs)
         # `p.data = x` (what module.to() / _apply do) writes no value: p now shows x's storage, whose writes count
         if target is not None and target.is_meta and func is not DATA_SET:
@@ -150,7 +158,8 @@ class _SkipMetaInitializers(TorchFunctionMode):
 # nn.init functions that return at once on a meta tensor without a torch function call the mode could see (torch
 # 2.13: trunc_normal_, orthogonal_, sparse_, dirac_), yet consume random numbers (trunc_normal_'s rejection loop: a
 # data-dependent count) in an eager build. Their calls are seen by a profile hook instead and recorded whole: replayed
-# from the same random state they draw exactly what the eager call drew.
+# from the same random state they draw exactly what the eager call drew. Where one does run ops on meta (torch 2.11's
+# trunc_normal_: uniform_ then erfinv_), the mode records none of them while the call is in progress.
 _SILENT_ON_META = {
     getattr(nn.init, n).__code__: getattr(nn.init, n)
     for n in ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
@@ -165,9 +174,11 @@ def _aliases_input(out: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     return any(a.is_meta and storage_key(a) == key for a in inputs)
 
 
-def _recording_calls(log: DrawLog, chained):
+def _recording_calls(log: DrawLog, chained, whole_calls: list):
     def hook(frame, event, arg):
-        if event == "call":
+        if event == "return" and whole_calls and whole_calls[-1] is frame:
+            whole_calls.pop()
+        elif event == "call" and not whole_calls:
             func = _SILENT_ON_META.get(frame.f_code)
             if func is not None:
                 code, values = frame.f_code, frame.f_locals
@@ -179,6 +190,7 @@ def _recording_calls(log: DrawLog, chained):
                         log.record_inplace(None, tensor, (), {})
                     else:
                         log.record_inplace(func, tensor, (), kwargs, random=func is not nn.init.dirac_)
+                    whole_calls.append(frame)
         if chained is not None:
             chained(frame, event, arg)
 
@@ -205,9 +217,10 @@ def init_meta_context(*, empty_init: bool = False) -> Generator[None, None, None
     log = new_log(empty_init=empty_init)
     handle = register_module_module_registration_hook(log.record_registration)
     profiler = sys.getprofile()
-    sys.setprofile(_recording_calls(log, profiler))
+    whole_calls: list = []
+    sys.setprofile(_recording_calls(log, profiler, whole_calls))
     try:
-        with torch.device("meta"), _SkipMetaInitializers(log):
+        with torch.device("meta"), _SkipMetaInitializers(log, whole_calls):
             yield
     finally:
         sys.setprofile(profiler)

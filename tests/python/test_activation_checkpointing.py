@@ -130,7 +130,8 @@ def test_offload_to_cpu_moves_each_block_input_through_save_on_cpu(monkeypatch):
             inner = self.pack_hook
 
             def pack(t):
-                packed_shapes.append(tuple(t.shape))
+                if t.numel():  # torch 2.11's checkpoint also saves an empty placeholder here: no bytes to offload
+                    packed_shapes.append(tuple(t.shape))
                 return inner(t)
 
             self.pack_hook = pack

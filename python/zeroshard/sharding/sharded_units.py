@@ -536,10 +536,10 @@ class ShardedUnits:
         self._gather_count += 1
         phase = 1 if torch._C._current_graph_task_id() != -1 else 0
         mine = torch.tensor([index, phase], dtype=torch.int64, device=self._check_device)
-        everyone = torch.empty(self.collectives.world_size * 2, dtype=torch.int64, device=self._check_device)
+        everyone = [torch.empty_like(mine) for _ in range(self.collectives.world_size)]
         with self._named("gather-order check (check_gather_order=True)", self.units[index]):
-            dist.all_gather_single(everyone, mine, group=self._group)
-        pairs = everyone.view(-1, 2).tolist()
+            dist.all_gather(everyone, mine, group=self._group)  # all_gather_single is torch >= 2.13 only
+        pairs = [t.tolist() for t in everyone]
         if any(p != pairs[0] for p in pairs):
             where = ", ".join(
                 f"rank {r} -> '{self.units[u].name}' ({'backward' if ph else 'forward'})"
