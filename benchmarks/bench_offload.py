@@ -11,6 +11,7 @@ config's own and a crash loses only that config. Configs, in order:
 * ``zeroshard_opt_param_offload``: the same with ``offload_params=True``: the bf16 parameter shards live on the host
   too and are uploaded per unit.
 * ``zeroshard_no_offload``: the same engine without offload (everything on the GPU): what offload costs.
+  ``zeroshard_no_offload_fused`` steps its shards with ``AdamW(fused=True)``, as ``fsdp2_no_offload_fused`` does.
 * ``deepspeed_opt_offload`` / ``deepspeed_opt_param_offload``: DeepSpeed's ZeRO-3 with ``offload_optimizer`` (and
   ``offload_param``) to pinned CPU memory, bf16, DeepSpeedCPUAdam (``benchmarks/deepspeed_zero3.py``). Skipped when
   ``deepspeed`` is not importable (it lives in the benchmark's own venv, see ``benchmarks/README.md``).
@@ -78,6 +79,7 @@ MIB = 2**20
 CONFIGS = {
     "pinned_copy": "1 GiB pinned host tensor <-> GPU, dst.copy_(src, non_blocking=True), CUDA events, median of 5",
     "zeroshard_no_offload": "ZeroEngine stage 3, no offload (bf16 params, fp32 master and AdamW on the GPU)",
+    "zeroshard_no_offload_fused": "as zeroshard_no_offload with torch.optim.AdamW(fused=True) on the GPU shards",
     "zeroshard_opt_offload": "ZeroEngine stage 3 + offload_optimizer (bf16 params on GPU; fp32 master + Adam on host)",
     "zeroshard_opt_param_offload": "ZeroEngine stage 3 + offload_optimizer + offload_params (bf16 params on host)",
     "deepspeed_opt_offload": "DeepSpeed ZeRO-3 + offload_optimizer to pinned CPU memory, bf16, DeepSpeedCPUAdam",
@@ -286,7 +288,14 @@ def run_pinned_copy(args: argparse.Namespace, device) -> dict:
     return out
 
 
-def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta: bool = False, offload: bool = True):
+def setup_zeroshard(
+    args: argparse.Namespace,
+    device,
+    offload_params: bool,
+    meta: bool = False,
+    offload: bool = True,
+    fused: bool = False,
+):
     """(params, engine, forward_backward, optimizer_step) for ZeRO stage 3 + optimizer (and parameter) offload, or
     none (``offload=False``).
 
@@ -308,7 +317,7 @@ def setup_zeroshard(args: argparse.Namespace, device, offload_params: bool, meta
     else:
         model = build_gpt(args, device)
     num_params = sum(p.numel() for p in model.parameters())  # before the engine turns them into views
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, **({"fused": True} if fused else {}))
     engine = ZeroEngine(model, opt, config, compute_dtype=torch.bfloat16)
 
     def forward_backward(x, y):
@@ -394,7 +403,7 @@ def run_training(name: str, args: argparse.Namespace, device) -> dict:
     t = time.perf_counter()
     if name.startswith("zeroshard"):
         num_params, engine, forward_backward, optimizer_step = setup_zeroshard(
-            args, device, "param" in name, offload=name != "zeroshard_no_offload"
+            args, device, "param" in name, offload="no_offload" not in name, fused=name.endswith("fused")
         )
     elif name.startswith("deepspeed"):
         num_params, _, forward_backward, optimizer_step = deepspeed_zero3.setup(
@@ -558,6 +567,7 @@ RATIOS = [
     ("zeroshard_opt_offload", "zeroshard_no_offload"),
     ("zeroshard_no_offload", "fsdp2_no_offload"),
     ("zeroshard_no_offload", "fsdp2_no_offload_fused"),
+    ("zeroshard_no_offload_fused", "fsdp2_no_offload_fused"),
 ]
 
 

@@ -45,7 +45,7 @@ log "GPU-marked tests"
 timeout -s INT 100 "${PYTEST[@]}" -m "gpu or multi_gpu" tests/python 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
 
 log "bench_offload: 1.3B GPT, stage 3 without offload against FSDP2 without offload (issue 22), one GPU"
-timeout 200 "$PY" benchmarks/bench_offload.py --configs zeroshard_no_offload,fsdp2_no_offload,fsdp2_no_offload_fused \
+timeout 200 "$PY" benchmarks/bench_offload.py --configs zeroshard_no_offload,zeroshard_no_offload_fused,fsdp2_no_offload,fsdp2_no_offload_fused \
   --out "$OUT" --budget 190 --timeout 80 2>&1 | tee "$OUT/bench_offload.log" | tail -12
 
 T=$(($(left) - 10))
