@@ -222,41 +222,38 @@ double run_lowp(const Args& args, int64_t begin, int64_t end) {
   return Ops::acc_sum(acc);
 }
 
+// Runtime flags to template parameters: fn(std::integral_constant<...>) for the factors' decay mode, and fn(true_type
+// or false_type) for a flag, so each combination is its own loop with no test inside it.
+template <class Fn>
+double with_decay(const Factors& f, Fn&& fn) {
+  if (f.l2_decay) return fn(std::integral_constant<Decay, Decay::kL2>{});
+  if (f.decoupled_decay) return fn(std::integral_constant<Decay, Decay::kDecoupled>{});
+  return fn(std::integral_constant<Decay, Decay::kNone>{});
+}
+template <class Fn>
+double with_flag(bool flag, Fn&& fn) {
+  return flag ? fn(std::true_type{}) : fn(std::false_type{});
+}
+
 template <class Ops, class P, class G, class O, bool kStats>
 double run_mode(const Args& a, int64_t begin, int64_t end) {
-  const Factors& f = a.f;
-  const bool scale = f.scale_grad;
-#define ZS_ADAM_RUN(D)                                                            \
-  if (f.lerp_small) {                                                             \
-    return scale ? run_fp32<Ops, P, G, O, kStats, D, true, true>(a, begin, end)   \
-                 : run_fp32<Ops, P, G, O, kStats, D, true, false>(a, begin, end); \
-  }                                                                               \
-  return scale ? run_fp32<Ops, P, G, O, kStats, D, false, true>(a, begin, end)    \
-               : run_fp32<Ops, P, G, O, kStats, D, false, false>(a, begin, end);
-  if (f.l2_decay) {
-    ZS_ADAM_RUN(Decay::kL2)
-  }
-  if (f.decoupled_decay) {
-    ZS_ADAM_RUN(Decay::kDecoupled)
-  }
-  ZS_ADAM_RUN(Decay::kNone)
-#undef ZS_ADAM_RUN
+  return with_decay(a.f, [&](auto decay) {
+    return with_flag(a.f.lerp_small, [&](auto lerp_small) {
+      return with_flag(a.f.scale_grad, [&](auto scale) {
+        return run_fp32<Ops, P, G, O, kStats, decltype(decay)::value, decltype(lerp_small)::value,
+                        decltype(scale)::value>(a, begin, end);
+      });
+    });
+  });
 }
 
 template <class Ops, class P, class G, class O>
 double run_lowp_mode(const Args& a, int64_t begin, int64_t end) {
-  const Factors& f = a.f;
-#define ZS_ADAM_RUN(D)                                                 \
-  return f.lerp_small ? run_lowp<Ops, P, G, O, D, true>(a, begin, end) \
-                      : run_lowp<Ops, P, G, O, D, false>(a, begin, end);
-  if (f.l2_decay) {
-    ZS_ADAM_RUN(Decay::kL2)
-  }
-  if (f.decoupled_decay) {
-    ZS_ADAM_RUN(Decay::kDecoupled)
-  }
-  ZS_ADAM_RUN(Decay::kNone)
-#undef ZS_ADAM_RUN
+  return with_decay(a.f, [&](auto decay) {
+    return with_flag(a.f.lerp_small, [&](auto lerp_small) {
+      return run_lowp<Ops, P, G, O, decltype(decay)::value, decltype(lerp_small)::value>(a, begin, end);
+    });
+  });
 }
 
 template <class Ops, class P, class G, class O>

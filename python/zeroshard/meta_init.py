@@ -124,14 +124,13 @@ class _SkipMetaInitializers(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        target = write_target(func, args, kwargs)
         if self.whole_calls:
             # Inside an initialiser the profile hook recorded whole (torch 2.11's trunc_normal_ runs uniform_,
             # erfinv_, mul_, add_, clamp_ on meta): its own writes are part of that record, not draws of their own.
-            target = write_target(func, args, kwargs)
             if target is not None and target.is_meta and func in _VALUE_ONLY_INITIALIZERS:
                 return target
             return func(*args, **kwargs)
-        target = write_target(func, args, kwargs)
         # `p.data = x` (what module.to() / _apply do) writes no value: p now shows x's storage, whose writes count
         if target is not None and target.is_meta and func is not DATA_SET:
             skip = func in _VALUE_ONLY_INITIALIZERS
