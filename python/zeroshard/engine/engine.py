@@ -51,6 +51,7 @@ from zeroshard.sharding.collective_errors import named_collective
 from zeroshard.sharding.comm_stats import summarize
 from zeroshard.sharding.flat_param import FlatParam
 from zeroshard.sharding.gather_check import dedicated_group
+from zeroshard.sharding.gloo_exit import drain_gloo_workers_at_exit
 from zeroshard.sharding.grad_reducer import GradReducer
 from zeroshard.sharding.hybrid import HybridGradReduction, data_parallel_groups
 from zeroshard.sharding.managed import register_engine
@@ -116,6 +117,7 @@ class ZeroEngine:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = config.reduce_dtype or torch.float32
         device_type = "cuda" if dist.get_backend(process_group) == "nccl" else "cpu"
+        drain_gloo_workers_at_exit(process_group)  # the collectives below hold gloo workers until exit
         groups = data_parallel_groups(process_group, config.shard_group_size, config.device_mesh, device_type)
         self.groups = groups
         self.process_group = groups.shard  # every bucketed collective runs in the shard group

@@ -9,24 +9,21 @@ destroy the group from an ``atexit`` handler, while the interpreter is still who
 it. A group the user created stays theirs to destroy.
 
 Destroying the group does not stop gloo's worker threads (``ProcessGroupGloo`` has no shutdown; its threads end with
-its destructor, and the engine's collectives still hold the group). A worker that has just finished a collective
-still has to drop that work's tensors, which needs the GIL when Python created them (``all_gather_object`` after
-``fit``, for one). If the interpreter is finalizing by then, the worker is unwound through a ``noexcept`` destructor:
-the same abort, seen in about one run in four of ``test_fp16_overflow_*`` (core dump: ``~AsyncAllgatherWork`` ->
-``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). So the handler also releases the GIL for a moment
-(:data:`GLOO_DRAIN_SECONDS`) while the interpreter is whole, for those workers to finish.
+its destructor, and the engine's collectives still hold the group). Those workers get a pause at exit from
+:mod:`zeroshard.sharding.gloo_exit`, registered before this handler so that it runs after it (``atexit`` is last in,
+first out), and also when the script destroyed the group itself.
 """
 
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from zeroshard.sharding.gloo_exit import drain_gloo_workers_at_exit
+
 _registered = False
-GLOO_DRAIN_SECONDS = 0.1  # at exit, with the GIL released: for gloo workers to drop their last work's tensors
 
 
 def init_and_destroy_at_exit(init: Callable[[], None]) -> None:
@@ -38,13 +35,10 @@ def init_and_destroy_at_exit(init: Callable[[], None]) -> None:
     if existed or _registered or not (dist.is_available() and dist.is_initialized()):
         return
     _registered = True
+    drain_gloo_workers_at_exit()  # first registered, so it runs after _destroy
     atexit.register(_destroy)
 
 
 def _destroy() -> None:
-    if not dist.is_initialized():
-        return
-    gloo = dist.get_backend() == "gloo"
-    dist.destroy_process_group()
-    if gloo:
-        time.sleep(GLOO_DRAIN_SECONDS)
+    if dist.is_initialized():
+        dist.destroy_process_group()
