@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from zeroshard.engine.policy_check import check_policy
 from zeroshard.engine.step_flags import NONFINITE_MODES
 from zeroshard.optim.restore_checks import MODES as OPTIMIZER_STATE_MODES
+from zeroshard.optim.state_format import check_state_dtype
 
 SUPPORTED_STAGES = (1, 2, 3)
 MIN_ALIGN_BYTES = 64  # a cache line, one AVX-512 vector
@@ -74,6 +75,12 @@ class ZeroConfig:
             and ranges, parameters per group) and refuses one that does not fit, naming the file, group, key and
             value; ``"reset"`` loads the weights and starts the optimizer fresh (its own hyperparameters, no state),
             warning with exactly what was dropped: the explicit way to resume with another optimizer.
+        optimizer_state_dtype: how the Adam moments are kept (:mod:`zeroshard.optim.state_format`): ``torch.float32``
+            (default; 8 bytes per parameter), ``torch.bfloat16`` (4) or ``"int8"`` (block-wise 8-bit, 2 + 8/2048),
+            on each rank's shards. Applies to the fused Adam only (:mod:`zeroshard.optim.engine_state_format`):
+            ``zeroshard.optim.CPUAdam``, or torch's Adam/AdamW with ``offload_optimizer=True``; any other optimizer
+            with a non-fp32 format is refused when the engine is built. With the default, a ``CPUAdam`` keeps its own
+            ``state_dtype``.
 
     Raises:
         ValueError: naming the bad setting and the accepted values.
@@ -99,6 +106,7 @@ class ZeroConfig:
     device_mesh: object = None
     nonfinite: str = "error"
     optimizer_state: str = "strict"
+    optimizer_state_dtype: object = torch.float32
 
     def __post_init__(self) -> None:
         if (
@@ -171,6 +179,13 @@ class ZeroConfig:
                 "optimizer state, refusing one that does not fit the optimizer) or 'reset' (load the weights, start "
                 "the optimizer fresh)."
             )
+        try:
+            object.__setattr__(self, "optimizer_state_dtype", check_state_dtype(self.optimizer_state_dtype))
+        except ValueError:
+            raise ValueError(
+                f"ZeroStrategy(optimizer_state_dtype={self.optimizer_state_dtype!r}) is not a state format: use "
+                "torch.float32 (default), torch.bfloat16 or 'int8' (block-wise 8-bit moments)."
+            ) from None
         if self.nonfinite == "skip" and self.overlap_step:
             raise ValueError(
                 "ZeroStrategy(nonfinite='skip') cannot skip a step that overlap_step=True has partly taken during "

@@ -38,6 +38,7 @@ from zeroshard.offload.offload import (
     host_bytes_needed,
     threads_per_rank,
 )
+from zeroshard.optim.engine_state_format import apply_state_dtype, resolve_state_dtype
 from zeroshard.optim.optim_state import (
     check_consolidated_state_dict,
     consolidated_state_dict,
@@ -142,6 +143,8 @@ class ZeroEngine:
 
         self.optim = OptimizerSet(optimizer if isinstance(optimizer, Optimizer) else list(optimizer))
         _check_overlap(config, self.optim)
+        # each optimizer's moment format (ZeroConfig.optimizer_state_dtype), refused here if it cannot keep it
+        self.state_dtypes = self._state_dtypes(self.optim)
         self.original_groups = self.optim.original_groups()  # every optimizer's groups, numbered in one sequence
         self.sharded: ShardedUnits | None = None
         if config.stage == 3:
@@ -149,6 +152,8 @@ class ZeroEngine:
         else:
             self.flat_params, groups = self._build_buckets()
         self.optim.rewire(self.flat_params, groups)
+        for opt, fmt in zip(self.optim.optimizers, self.state_dtypes):
+            apply_state_dtype(opt, fmt)  # a CPUAdam; with offload, OffloadedAdam below is built in ``fmt``
         if config.offload_optimizer:
             device = self._device()
             self.offload = OptimizerOffload(
@@ -159,7 +164,7 @@ class ZeroEngine:
                 overlap_step=config.overlap_step,
                 threads=self.cpu_threads,
             )
-            self.optim.offload_adam(OffloadedAdam, offload=self.offload)
+            self.optim.offload_adam(OffloadedAdam, self.state_dtypes, offload=self.offload)
         # Adam/AdamW step through the offload pipeline; any other optimizer steps the host masters as it is
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.reducer = GradReducer(
@@ -183,6 +188,16 @@ class ZeroEngine:
         register_engine(module, self)
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
+
+    def _state_dtypes(self, optim: OptimizerSet) -> list:
+        """The moment format of each optimizer of ``optim`` (:func:`resolve_state_dtype`; ValueError if one cannot)."""
+        offload = self.config.offload_optimizer
+        setting = self.config.optimizer_state_dtype
+        return [resolve_state_dtype(setting, opt, offload, oi) for oi, opt in enumerate(optim.optimizers)]
+
+    def _group_state_dtype(self, group_index: int):
+        """The moment format of the optimizer that owns global param group ``group_index``."""
+        return self.state_dtypes[self.optim.group_optimizer[group_index]]
 
     def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
         offload = self.config.offload_optimizer
@@ -209,7 +224,7 @@ class ZeroEngine:
             materialize_module_(self.module, self._device(), param_init_fn=self.config.param_init_fn)
             self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
         plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size)
-        self._check_offload_budget([(plan.params, True) for plan in plans])
+        self._check_offload_budget([(plan.params, True, self._group_state_dtype(plan.group_index)) for plan in plans])
         if skipped:
             warnings.warn(
                 f"{len(skipped)} trainable parameters are in no optimizer param group and stay unsharded with local "
@@ -236,8 +251,8 @@ class ZeroEngine:
         """
         plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
         self._check_offload_budget(
-            [(b.params, True) for plan in plans for b in plan.buckets]
-            + [(plan.frozen.params, False) for plan in plans if plan.frozen]
+            [(b.params, True, self._group_state_dtype(b.group_index)) for plan in plans for b in plan.buckets]
+            + [(plan.frozen.params, False, torch.float32) for plan in plans if plan.frozen]
         )
         device = self._device()
         built: dict[int, Unit] = {}
@@ -299,12 +314,13 @@ class ZeroEngine:
         self.sharded.step_fn = lambda: self.steps
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
 
-    def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool]]) -> None:
-        """Offload: fails before anything is allocated if the host buffers of every local rank do not fit."""
+    def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool, object]]) -> None:
+        """Offload: fails before anything is allocated if the host buffers of every local rank do not fit.
+        ``flat``: ``(parameters, trainable, moment format)`` per flat parameter."""
         if not self.config.offload_optimizer:
             return
         world = self.world_size
-        shards = [(-(-sum(p.numel() for p in params) // world), trainable) for params, trainable in flat]
+        shards = [(-(-sum(p.numel() for p in params) // world), trainable, fmt) for params, trainable, fmt in flat]
         dtype = self.compute_dtype or (flat[0][0][0].dtype if flat else torch.float32)
         nbytes = host_bytes_needed(
             shards,
@@ -435,10 +451,13 @@ class ZeroEngine:
         if any(p.requires_grad and id(p) not in held for group in groups for p in group):
             return False
         _check_overlap(self.config, new)
-        self.optim, self.original_groups = new, groups
+        state_dtypes = self._state_dtypes(new)
+        self.optim, self.original_groups, self.state_dtypes = new, groups, state_dtypes
         new.rewire(self.flat_params, group_of_flat)
+        for opt, fmt in zip(new.optimizers, state_dtypes):
+            apply_state_dtype(opt, fmt)
         if self.offload is not None:
-            new.offload_adam(OffloadedAdam, offload=self.offload)
+            new.offload_adam(OffloadedAdam, state_dtypes, offload=self.offload)
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.module_grads.hook_optimizers()
         self.unused_params.hook_optimizers()

@@ -39,31 +39,38 @@ import torch
 
 from zeroshard import _C
 from zeroshard.offload.overlap import EarlyStepper
+from zeroshard.offload.quantized_step import QuantizedHostStep, QuantSegment
+from zeroshard.ops import QUANT_BLOCK
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks, step_hyper
+from zeroshard.optim.state_format import moment_bytes
 from zeroshard.sharding.flat_param import FlatParam
 
 GIB = 2**30
 
 
 def host_bytes_needed(
-    shard_numels: list[tuple[int, bool]],
+    shard_numels: list[tuple],
     *,
     grad_bytes: int,
     param_bytes: int,
     offload_params: bool,
     chunk_elems: int,
 ) -> int:
-    """Host bytes one rank's offload allocates: fp32 master + ``exp_avg`` + ``exp_avg_sq`` (12 bytes) and the gradient
-    shard (``grad_bytes``) per trainable shard element, the compute-dtype parameter shard (``param_bytes``) per shard
-    element with parameter offload (frozen ones too), and the two upload buffers (``chunk_elems`` * 4 bytes each).
+    """Host bytes one rank's offload allocates: per trainable shard element the fp32 master (4 bytes), ``exp_avg`` +
+    ``exp_avg_sq`` in the flat parameter's state format (``zeroshard.optim.state_format.moment_bytes``: fp32 8, bf16
+    4, int8 2 plus 8 per block of 2048 of the shard) and the gradient shard (``grad_bytes``); the compute-dtype
+    parameter shard (``param_bytes``) per shard element with parameter offload (frozen ones too); and the two upload
+    buffers (``chunk_elems`` * 4 bytes each; the int8 step's own two, :mod:`zeroshard.offload.quantized_step`, are
+    the same size and replace them).
 
     Args:
-        shard_numels: ``(shard elements, trainable)`` per flat parameter.
+        shard_numels: ``(shard elements, trainable)`` or ``(shard elements, trainable, state format)`` per flat
+            parameter (format default ``torch.float32``).
     """
     total = 2 * chunk_elems * 4
-    for numel, trainable in shard_numels:
+    for numel, trainable, *fmt in shard_numels:
         if trainable:
-            total += numel * (12 + grad_bytes)
+            total += numel * (4 + grad_bytes) + moment_bytes(numel, fmt[0] if fmt else torch.float32)
         if offload_params:
             total += numel * param_bytes
     return total
@@ -113,12 +120,11 @@ class OptimizerOffload:
         self.d2h = _C.make_copy_queue(device)
         self.h2d = _C.make_copy_queue(device)
         self.pipeline = _C.HostAdamPipeline(self.d2h, self.h2d, chunk_elems, pin)
+        self.quantized = QuantizedHostStep(self.d2h, self.h2d, chunk_elems, pin)  # int8 state (no C++ pipeline)
         self.host_grads = {id(fp): _C.empty_host(fp.layout.shard_numel, fp.grad_shard_dtype, pin) for fp in flat_params}
         self._tickets: dict[int, int] = {}  # id(flat_param) -> d2h ticket of its gradient in this step
         self.global_scale_expected = False
-        self.stepper = (
-            EarlyStepper(lambda segs: self.pipeline.step(segs, False), threads=threads) if overlap_step else None
-        )
+        self.stepper = EarlyStepper(self.step, threads=threads) if overlap_step else None
         self.on_gradient_copied = None
 
     @torch.no_grad()
@@ -172,15 +178,27 @@ class OptimizerOffload:
 
     def segment(
         self, fp: FlatParam, state: dict[str, Any], group: dict[str, Any], scale: tuple[float, float] = (1.0, 1.0)
-    ) -> tuple:
-        """One flat parameter's work for ``_C.HostAdamPipeline.step``: where the updated weights go depends on where
-        the parameter shard lives (the host shard itself with parameter offload, else uploaded into the shard).
-        ``scale``: ``(grad_unscale, grad_clip)`` the kernel multiplies the gradient by."""
+    ) -> tuple | QuantSegment:
+        """One flat parameter's work for :meth:`step`: where the updated weights go depends on where the parameter
+        shard lives (the host shard itself with parameter offload, else uploaded into the shard). ``scale``:
+        ``(grad_unscale, grad_clip)`` the kernel multiplies the gradient by. fp32 / bf16 moments: a
+        ``_C.HostAdamPipeline`` segment tuple; int8 moments (uint8 codes): a :class:`QuantSegment` with the absmax."""
         param_out = fp.shard if fp.host_shard else None
         device_param = None if fp.host_shard else fp.shard
         grad = self.host_grads[id(fp)]
-        return (fp.master.detach(), state["exp_avg"], state["exp_avg_sq"], grad, self._tickets[id(fp)], param_out,
-                device_param, *step_hyper(state, group), *scale)  # fmt: skip
+        seg = (fp.master.detach(), state["exp_avg"], state["exp_avg_sq"], grad, self._tickets[id(fp)], param_out,
+               device_param, *step_hyper(state, group), *scale)  # fmt: skip
+        if state["exp_avg"].dtype == torch.uint8:
+            return QuantSegment(seg, state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
+        return seg
+
+    def step(self, segments: list) -> None:
+        """Steps ``segments`` (from :meth:`segment`, all of one kind): fp32 / bf16 moments through
+        ``_C.HostAdamPipeline``, int8 through :class:`~zeroshard.offload.quantized_step.QuantizedHostStep`."""
+        if segments and isinstance(segments[0], QuantSegment):
+            self.quantized.step(segments)
+        else:
+            self.pipeline.step(segments, False)
 
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Bytes the copy queues moved and the time the copies took (device time on CUDA) since the last reset."""
@@ -200,9 +218,11 @@ class OffloadedAdam(CPUAdam):
 
     The gradients are not read from ``.grad``: each master's gradient is the host gradient shard its flat parameter's
     copy fills (in ``reduce_dtype``, which may be bf16/fp16: the kernel upcasts while loading). The optimizer state
-    (``step`` a plain number, ``exp_avg`` and ``exp_avg_sq`` fp32, torch's keys) is created when the optimizer is
-    built, so the host memory is taken, and checked, before training starts. ``state_dict()`` loads into
-    ``torch.optim.AdamW`` and back.
+    (``step`` a plain number, ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype``, torch's keys; int8 adds the absmax
+    tensors) is created when the optimizer is built, so the host memory is taken, and checked, before training
+    starts. With fp32 state ``state_dict()`` loads into ``torch.optim.AdamW`` and back. fp32 and bf16 moments are
+    stepped by ``_C.HostAdamPipeline``; int8 moments by :class:`~zeroshard.offload.quantized_step.QuantizedHostStep`
+    (the same kernel through ``zeroshard.ops.adam_step``, chunked on block boundaries).
 
     Args:
         param_groups: groups over the master shards (as ``CPUAdam``).
@@ -232,11 +252,22 @@ class OffloadedAdam(CPUAdam):
             offload.on_gradient_copied = self._step_during_backward
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """As ``CPUAdam``'s, with the moments in counted exact-size host buffers (1-D, like the master shards)."""
+        """As ``CPUAdam``'s, with the moments in counted exact-size host buffers (1-D, like the master shards), in
+        ``state_dtype``: fp32 or bf16 moments; int8: uint8 codes and fp32 absmax of ``ceil(numel / 2048)``."""
+        n, fmt = p.numel(), self.state_dtype
+        if fmt == "int8":
+            blocks = -(-n // QUANT_BLOCK)
+            return {
+                "step": 0,
+                "exp_avg": _C.empty_host(n, torch.uint8, False).zero_(),
+                "exp_avg_sq": _C.empty_host(n, torch.uint8, False).zero_(),
+                "exp_avg_absmax": _C.empty_host(blocks, torch.float32, False).zero_(),
+                "exp_avg_sq_absmax": _C.empty_host(blocks, torch.float32, False).zero_(),
+            }
         return {
             "step": 0,
-            "exp_avg": _C.empty_host(p.numel(), torch.float32, False).zero_(),
-            "exp_avg_sq": _C.empty_host(p.numel(), torch.float32, False).zero_(),
+            "exp_avg": _C.empty_host(n, fmt, False).zero_(),
+            "exp_avg_sq": _C.empty_host(n, fmt, False).zero_(),
         }
 
     def gradients(self) -> list[torch.Tensor]:
@@ -317,7 +348,7 @@ class OffloadedAdam(CPUAdam):
             if self.offload.stepper is not None:
                 self.offload.stepper.drain()
             if segments:
-                self.offload.pipeline.step(segments, False)
+                self.offload.step(segments)
             elif self._stepped:  # compute issued after this must see the uploads of the overlapped steps
                 self.offload.h2d.current_stream_wait(self.offload.h2d.last_ticket())
         finally:

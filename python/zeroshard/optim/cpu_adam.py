@@ -144,6 +144,23 @@ class CPUAdam(torch.optim.Optimizer):
         self._plans: dict[int, _GroupPlan] = {}  # by group index; rebuilt when a group's tensors change
         self._seen: tuple | None = None  # optimizer.state as the last successful step left it (_state_unchanged)
 
+    def use_state_dtype(self, state_dtype: torch.dtype | str) -> None:
+        """Keeps the moments in ``state_dtype`` from now on (as if given to ``__init__``); for an optimizer that holds
+        no state yet (the ZeRO engine sets its ``optimizer_state_dtype`` this way).
+
+        Raises:
+            ValueError: an unsupported ``state_dtype`` (naming the accepted ones).
+            RuntimeError: the optimizer already holds state (convert it with ``load_state_dict`` instead).
+        """
+        state_dtype = check_state_dtype(state_dtype)
+        if self.state:
+            raise RuntimeError(
+                f"CPUAdam.use_state_dtype({state_dtype!r}): the optimizer already holds state for {len(self.state)} "
+                "parameters; build a new CPUAdam with this state_dtype and load_state_dict the old state into it"
+            )
+        self.state_dtype = state_dtype
+        self._plans = {}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("state_dtype", torch.float32)

@@ -47,9 +47,25 @@ def rewire(optimizer: Optimizer, flat_params: list[FlatParam], group_of_flat: li
         group["params"] = [fp.master for fp, g in zip(flat_params, group_of_flat) if g == gi]
 
 
+def fused_adam_kind(optimizer: Optimizer) -> str | None:
+    """How :func:`to_cpu_adam` converts ``optimizer``: ``"cpu_adam"`` (a :class:`~zeroshard.optim.cpu_adam.CPUAdam`,
+    its own flags and ``state_dtype`` kept), ``"adamw"`` / ``"adam"`` (torch's, without ``amsgrad`` / ``maximize``),
+    or ``None`` (not converted: it runs as it is)."""
+    from zeroshard.optim.cpu_adam import CPUAdam
+
+    if isinstance(optimizer, CPUAdam):
+        return "cpu_adam"
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return None
+    if any(optimizer.defaults.get(k) for k in ("amsgrad", "maximize")):
+        return None
+    return "adamw" if type(optimizer) is torch.optim.AdamW else "adam"
+
+
 def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optimizer:
     """Returns a :class:`~zeroshard.optim.cpu_adam.CPUAdam` (or subclass ``cls``, built with ``extra`` keyword
-    arguments) equivalent to ``optimizer`` if it is Adam or AdamW, else ``optimizer`` itself.
+    arguments) equivalent to ``optimizer`` if it is Adam or AdamW (or a ``CPUAdam``: its ``adamw_mode``,
+    ``bias_correction`` and, unless ``extra`` gives one, ``state_dtype`` are kept), else ``optimizer`` itself.
 
     Param group entries are copied as they are (``initial_lr`` and others that LR schedulers added included), so a
     scheduler can be pointed at the returned optimizer.
@@ -58,37 +74,38 @@ def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optim
 
     cls = cls or CPUAdam
 
-    if isinstance(optimizer, PendingOptimizer):  # replaced by the real one, converted then
+    if isinstance(optimizer, (PendingOptimizer, cls)):  # replaced by the real one, converted then; or done already
         return optimizer
-    if type(optimizer) is torch.optim.AdamW:
-        adamw_mode = True
-    elif type(optimizer) is torch.optim.Adam:
-        adamw_mode = bool(optimizer.defaults.get("decoupled_weight_decay", False))
-    else:
+    kind = fused_adam_kind(optimizer)
+    d = optimizer.defaults
+    if kind is None and type(optimizer) in (torch.optim.AdamW, torch.optim.Adam):
+        unsupported = [k for k in ("amsgrad", "maximize") if d.get(k)]
+        warnings.warn(
+            f"offload_optimizer=True: CPUAdam has no {unsupported}; keeping {type(optimizer).__name__} on the host.",
+            stacklevel=2,
+        )
+        return optimizer
+    if kind is None:
         warnings.warn(
             f"offload_optimizer=True with {type(optimizer).__name__}: it runs unfused on the host copies of the master "
             "weights. Return torch.optim.Adam or AdamW from configure_optimizers to get the fused CPUAdam.",
             stacklevel=2,
         )
         return optimizer
-    unsupported = [k for k in ("amsgrad", "maximize") if optimizer.defaults.get(k)]
-    if unsupported:
-        warnings.warn(
-            f"offload_optimizer=True: CPUAdam has no {unsupported}; keeping {type(optimizer).__name__} on the host.",
-            stacklevel=2,
-        )
-        return optimizer
-    d = optimizer.defaults
-    cpu_adam = cls(
+    if kind == "cpu_adam":
+        flags = {"adamw_mode": d["adamw_mode"], "bias_correction": d["bias_correction"]}
+        extra = {"state_dtype": optimizer.state_dtype, **extra}
+    else:
+        flags = {"adamw_mode": kind == "adamw" or bool(d.get("decoupled_weight_decay", False))}
+    return cls(
         [dict(group) for group in optimizer.param_groups],
         lr=d["lr"],
         betas=d["betas"],
         eps=d["eps"],
         weight_decay=d["weight_decay"],
-        adamw_mode=adamw_mode,
+        **flags,
         **extra,
     )
-    return cpu_adam
 
 
 class OptimizerSet:
@@ -146,10 +163,16 @@ class OptimizerSet:
             self._flat[oi] = [fp for fp, _ in mine]
             self._owner.update({id(fp): oi for fp, _ in mine})
 
-    def offload_adam(self, cls: type, **extra) -> None:
-        """Replaces each Adam/AdamW by ``cls`` over the same groups (:func:`to_cpu_adam`), with ``flat_of``."""
+    def offload_adam(self, cls: type, state_dtypes: Sequence[Any] | None = None, **extra) -> None:
+        """Replaces each Adam/AdamW (and ``CPUAdam``) by ``cls`` over the same groups (:func:`to_cpu_adam`), with
+        ``flat_of``; ``state_dtypes``: the moments' format of each optimizer (default: fp32, or a ``CPUAdam``'s
+        own)."""
         flat_of = {id(fp.master): fp for flats in self._flat for fp in flats}
-        self.optimizers = [to_cpu_adam(opt, cls, flat_of=flat_of, **extra) for opt in self.optimizers]
+        formats = list(state_dtypes) if state_dtypes is not None else [None] * len(self.optimizers)
+        self.optimizers = [
+            to_cpu_adam(opt, cls, flat_of=flat_of, **extra, **({"state_dtype": f} if f is not None else {}))
+            for opt, f in zip(self.optimizers, formats)
+        ]
 
     def index(self, optimizer: Optimizer) -> int:
         """The position of ``optimizer`` (or of the optimizer a Lightning/Fabric wrapper holds).

@@ -15,7 +15,15 @@ import torch
 
 from zeroshard.ops import QUANT_BLOCK, dequantize_state, quantize_state
 
-__all__ = ["ABSMAX_KEYS", "STATE_DTYPES", "check_state_dtype", "convert_moments", "format_of", "moments_fp32"]
+__all__ = [
+    "ABSMAX_KEYS",
+    "STATE_DTYPES",
+    "check_state_dtype",
+    "convert_moments",
+    "format_of",
+    "moment_bytes",
+    "moments_fp32",
+]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, "int8")
 ABSMAX_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
@@ -31,6 +39,14 @@ def check_state_dtype(state_dtype: Any) -> torch.dtype | str:
         f"state_dtype={state_dtype!r} is not supported; use torch.float32 (default), torch.bfloat16 or 'int8' "
         f"(block-wise 8-bit moments)"
     )
+
+
+def moment_bytes(numel: int, state_dtype: torch.dtype | str) -> int:
+    """Bytes of both moments of ``numel`` elements kept as one tensor in ``state_dtype``: fp32 8 per element, bf16
+    4, int8 2 per element plus 2 fp32 absmax per started block of 2048 (``8 * ceil(numel / 2048)``)."""
+    if state_dtype == "int8":
+        return 2 * numel + 8 * ((numel + QUANT_BLOCK - 1) // QUANT_BLOCK)
+    return 2 * numel * state_dtype.itemsize
 
 
 def format_of(st: dict[str, Any]) -> torch.dtype | str:

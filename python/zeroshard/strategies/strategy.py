@@ -104,6 +104,11 @@ class ZeroStrategy(DDPStrategy):
             and refused, naming the file, group, key and value, when it does not fit; ``"reset"``: load the weights
             and start the optimizer fresh, warning with what was dropped (to resume with another optimizer;
             :mod:`zeroshard.optim.restore_checks`).
+        optimizer_state_dtype: (keyword) how the Adam moments are kept on each rank's shards: ``torch.float32``
+            (default, 8 bytes per parameter), ``torch.bfloat16`` (4) or ``"int8"`` (block-wise 8-bit, 2 + 8/2048;
+            :mod:`zeroshard.optim.state_format`). Needs the fused Adam: ``zeroshard.optim.CPUAdam`` from
+            ``configure_optimizers``, or torch's Adam/AdamW with ``offload_optimizer=True``; any other optimizer is
+            refused at setup (:mod:`zeroshard.optim.engine_state_format`). A bad value fails here.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout, a ``timedelta`` or seconds (int/float); a rank that stops answering ends the job
             with an error after it.
