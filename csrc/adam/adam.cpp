@@ -119,7 +119,6 @@ Factors make_factors(const AdamHyper& h) {
   f.neg_step_size = static_cast<float>(-step_size);  // param.addcdiv_(exp_avg, denom, value=-step_size)
   f.grad_unscale = static_cast<float>(h.grad_unscale);
   f.grad_clip = static_cast<float>(h.grad_clip);
-  f.scale_grad = f.grad_unscale != 1.0f || f.grad_clip != 1.0f;
   return f;
 }
 

@@ -48,8 +48,8 @@ constexpr int32_t kLutHasThreshold = 1 << 24;
 // Per-step factors, computed in double on the host and rounded to float exactly as torch rounds its Python-float
 // scalars (see adam.cpp). The kernel does, per element, in this order (fma = one rounding, like torch's vector code):
 //   g = upcast(grad)                                   stats: sum += double(g)^2 (of the gradient as stored)
-//   scaled:         g = (g * grad_unscale) * grad_clip (fp16 loss-scale removal, then the clip coefficient: the same
-//                                                       two roundings as two in-place mul_ calls on an fp32 gradient)
+//   always:         g = (g * grad_unscale) * grad_clip (fp16 loss-scale removal, then the clip coefficient: the same
+//                                                       two roundings as two in-place mul_ calls; 1.0f when unused)
 //   L2 (Adam):      g = fma(p, weight_decay, g)
 //   decoupled:      p = p * decay_mul                  (decay_mul = 1 - lr*wd)
 //   m = lerp_small ? fma(lerp_coeff, g - m, m) : fma(lerp_coeff, g - m, g)   (torch's lerp, weight = 1 - beta1)
@@ -70,7 +70,6 @@ struct Factors {
   float inv_bc2_sqrt = 1.f;  // 1 / sqrt(1 - beta2^t), rounded once from double
   float eps = 0.f;
   float neg_step_size = 0.f;
-  bool scale_grad = false;  // apply grad_unscale and grad_clip
   float grad_unscale = 1.f;
   float grad_clip = 1.f;
 };

@@ -7,7 +7,9 @@
 // Speed (the step is memory bound: 28 bytes per fp32 parameter against ~10 vector operations):
 //  - every per-step constant is broadcast once per call into registers (Consts), and the pointers are copied into
 //    __restrict locals, so the loop body does not reload them after each store (a float* store could alias them);
-//  - the decay mode, the lerp formula and the gradient scale are template parameters: no test in the loop;
+//  - the decay mode and the statistics are template parameters: no test in the loop for them. The gradient scale
+//    is always applied (x * 1.0f == x) and the lerp formula is a loop-invariant run-time choice: as templates they
+//    quadrupled the instantiations (compile time) for no measured speed at the memory wall;
 //  - software prefetch runs Args::prefetch_elems ahead on every stream. The hardware streamers stop at each 4 KiB
 //    page and ramp up again; on 2 Sapphire Rapids cores at the memory limit that restart cost about 10% of the step
 //    (bench_cpu_adam.py). The distance is set per CPU on the host (adam_detail::prefetch_elems).
@@ -40,6 +42,7 @@ template <class Ops>
 struct Consts {
   using V = typename Ops::V;
   V weight_decay, decay_mul, lerp_coeff, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, unscale, clip;
+  bool lerp_small;
   explicit Consts(const Factors& f)
       : weight_decay(Ops::set1(f.weight_decay)),
         decay_mul(Ops::set1(f.decay_mul)),
@@ -50,21 +53,25 @@ struct Consts {
         eps(Ops::set1(f.eps)),
         neg_step_size(Ops::set1(f.neg_step_size)),
         unscale(Ops::set1(f.grad_unscale)),
-        clip(Ops::set1(f.grad_clip)) {}
+        clip(Ops::set1(f.grad_clip)),
+        lerp_small(f.lerp_small) {}
 };
 
-// The per-element update on one vector. Operation order and rounding follow torch's single-tensor Adam/AdamW on CPU
-// (see Factors in adam_kernel.h) except in the denominator, which multiplies by 1 / bc2_sqrt instead of dividing:
-// one division and one square root per element are left, the step's costliest operations.
-template <class Ops, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void update(const Consts<Ops>& c, typename Ops::V& p, typename Ops::V& m, typename Ops::V& v,
-                   typename Ops::V g) {
+// The per-element update on one vector, always inlined: out of line, its vectors go through memory (GCC left it out
+// of line once the kernel had fewer instantiations; 3x slower in cache). Operation order and rounding follow torch's
+// single-tensor Adam/AdamW on CPU (see Factors in adam_kernel.h) except in the denominator, which multiplies by 1 /
+// bc2_sqrt instead of dividing: one division and one square root per element are left, the step's costliest operations.
+template <class Ops, Decay kDecay>
+[[gnu::always_inline]] inline void update(const Consts<Ops>& c, typename Ops::V& p, typename Ops::V& m,
+                                          typename Ops::V& v, typename Ops::V g) {
   using V = typename Ops::V;
-  if constexpr (kScale) g = Ops::mul(Ops::mul(g, c.unscale), c.clip);  // two roundings, as two in-place mul_ calls
+  // Always applied: with no loss scale and no clipping both factors are 1.0f and x * 1.0f == x exactly, and two
+  // multiplies per vector are free at the memory wall; a template flag for them doubled the kernels' compile time.
+  g = Ops::mul(Ops::mul(g, c.unscale), c.clip);  // two roundings, as two in-place mul_ calls
   if constexpr (kDecay == Decay::kL2) g = Ops::fmadd(p, c.weight_decay, g);
   if constexpr (kDecay == Decay::kDecoupled) p = Ops::mul(p, c.decay_mul);
   const V diff = Ops::sub(g, m);
-  m = Ops::fmadd(c.lerp_coeff, diff, kLerpSmall ? m : g);
+  m = Ops::fmadd(c.lerp_coeff, diff, c.lerp_small ? m : g);  // a run-time choice: both are exact
   v = Ops::fmadd(Ops::mul(c.one_minus_beta2, g), g, Ops::mul(v, c.beta2));
   const V denom = Ops::fmadd(Ops::sqrt(v), c.inv_bc2_sqrt, c.eps);
   p = Ops::add(p, Ops::div(Ops::mul(c.neg_step_size, m), denom));
@@ -81,15 +88,16 @@ struct Ptrs {
   O* __restrict out;
 };
 
-template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
-inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i, typename Ops::Acc& acc) {
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay>
+[[gnu::always_inline]] inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i,
+                                            typename Ops::Acc& acc) {
   using V = typename Ops::V;
   V g = Ops::load(a.g + i);
   if constexpr (kStats) acc = Ops::acc_add_sq(acc, g);
   V p = Ops::load(a.p + i);
   V m = Ops::load(a.m + i);
   V v = Ops::load(a.v + i);
-  update<Ops, kDecay, kLerpSmall, kScale>(c, p, m, v, g);
+  update<Ops, kDecay>(c, p, m, v, g);
   Ops::store(a.p + i, p);
   Ops::store(a.m + i, m);
   Ops::store(a.v + i, v);
@@ -97,7 +105,7 @@ inline void step_vec(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i,
 }
 
 // The last r (< width) elements starting at i.
-template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay>
 inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i, int64_t r, typename Ops::Acc& acc) {
   using V = typename Ops::V;
   if constexpr (Ops::kMasked) {
@@ -108,7 +116,7 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i
     V p = Ops::load_masked(a.p + i, k);
     V m = Ops::load_masked(a.m + i, k);
     V v = Ops::load_masked(a.v + i, k);
-    update<Ops, kDecay, kLerpSmall, kScale>(c, p, m, v, g);
+    update<Ops, kDecay>(c, p, m, v, g);
     Ops::store_masked(a.p + i, p, k);
     Ops::store_masked(a.m + i, m, k);
     Ops::store_masked(a.v + i, v, k);
@@ -127,7 +135,7 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i
     __builtin_memcpy(vb, a.v + i, r * sizeof(M));
     __builtin_memcpy(gb, a.g + i, r * sizeof(G));
     const Ptrs<P, G, O, M> b{pb, mb, vb, gb, reinterpret_cast<O*>(ob)};
-    step_vec<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, b, 0, acc);
+    step_vec<Ops, P, G, O, M, kStats, kDecay>(c, b, 0, acc);
     if constexpr (!std::is_same_v<O, NoOut>) __builtin_memcpy(a.out + i, ob, r * sizeof(O));
     __builtin_memcpy(a.p + i, pb, r * sizeof(P));
     __builtin_memcpy(a.m + i, mb, r * sizeof(M));
@@ -136,7 +144,7 @@ inline void step_tail(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t i
 }
 
 // The loop over [begin, end) of one set of pointers: whole vectors, then one tail.
-template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+template <class Ops, class P, class G, class O, class M, bool kStats, Decay kDecay>
 inline void loop(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t begin, int64_t end, int64_t ahead,
                  typename Ops::Acc& acc) {
   constexpr int64_t W = Ops::kWidth;
@@ -152,15 +160,15 @@ inline void loop(const Consts<Ops>& c, const Ptrs<P, G, O, M>& a, int64_t begin,
       prefetch_w(a.v, i + ahead);
       prefetch(a.g, i + ahead);
     }
-    step_vec<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, a, i, acc);
+    step_vec<Ops, P, G, O, M, kStats, kDecay>(c, a, i, acc);
   }
-  if (i < end) step_tail<Ops, P, G, O, M, kStats, kDecay, kLerpSmall, kScale>(c, a, i, end - i, acc);
+  if (i < end) step_tail<Ops, P, G, O, M, kStats, kDecay>(c, a, i, end - i, acc);
 }
 
 // int8 state, one kQuantBlock block at a time: dequantise both moments into fp32 stack buffers (L1-resident), run
 // the same loop as the fp32 path on them (so the update and the gradient statistics have the fp32 path's bits and
 // order), then requantise (new absmax first, then the nearest code) and write codes and absmax back once.
-template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay>
 void run_int8(const Consts<Ops>& c, const Args& args, int64_t begin, int64_t end, typename Ops::Acc& acc) {
   alignas(64) float mb[kQuantBlock], vb[kQuantBlock];
   auto* const mq = static_cast<uint8_t*>(args.exp_avg);
@@ -186,74 +194,59 @@ void run_int8(const Consts<Ops>& c, const Args& args, int64_t begin, int64_t end
       }
     }();
     const Ptrs<P, G, O, float> a{p + b, mb, vb, g + b, ob};
-    loop<Ops, P, G, O, float, kStats, kDecay, kLerpSmall, kScale>(c, a, 0, len, args.prefetch_elems, acc);
+    loop<Ops, P, G, O, float, kStats, kDecay>(c, a, 0, len, args.prefetch_elems, acc);
     args.exp_avg_absmax[blk] = quant_block<Ops>(mb, len, args.exp_avg_map, mq + b);
     args.exp_avg_sq_absmax[blk] = quant_block<Ops>(vb, len, args.exp_avg_sq_map, vq + b);
   }
 }
 
 // fp32 state: every combination of the flags is its own loop (the hot path, at the memory wall).
-template <class Ops, class P, class G, class O, bool kStats, Decay kDecay, bool kLerpSmall, bool kScale>
+template <class Ops, class P, class G, class O, bool kStats, Decay kDecay>
 double run_fp32(const Args& args, int64_t begin, int64_t end) {
   const Consts<Ops> c(args.f);
   auto acc = Ops::acc_zero();
   const Ptrs<P, G, O, float> a{static_cast<P*>(args.param), static_cast<float*>(args.exp_avg),
                                static_cast<float*>(args.exp_avg_sq), static_cast<const G*>(args.grad),
                                static_cast<O*>(args.param_out)};
-  loop<Ops, P, G, O, float, kStats, kDecay, kLerpSmall, kScale>(c, a, begin, end, args.prefetch_elems, acc);
+  loop<Ops, P, G, O, float, kStats, kDecay>(c, a, begin, end, args.prefetch_elems, acc);
   return kStats ? Ops::acc_sum(acc) : 0.0;
 }
 
-// bf16 and int8 state: the statistics and the gradient scale are always on (g * 1.0f * 1.0f is g, bit for bit, and
-// the statistics cost one convert and two FMAs per vector against the format's conversions), so each format is
-// instantiated a quarter as often as fp32. The kernel files' compile time is what that saves (issue 21's 5 minutes).
-template <class Ops, class P, class G, class O, Decay kDecay, bool kLerpSmall>
+// bf16 and int8 state: the statistics are always on (they cost one convert and two FMAs per vector against the
+// format's conversions), so each format is instantiated half as often as fp32. The kernel files' compile time is
+// what that saves (issue 21's 5 minutes).
+template <class Ops, class P, class G, class O, Decay kDecay>
 double run_lowp(const Args& args, int64_t begin, int64_t end) {
   const Consts<Ops> c(args.f);
   auto acc = Ops::acc_zero();
   if (args.state_type == StateType::kInt8) {
-    run_int8<Ops, P, G, O, true, kDecay, kLerpSmall, true>(c, args, begin, end, acc);
+    run_int8<Ops, P, G, O, true, kDecay>(c, args, begin, end, acc);
   } else {
     const Ptrs<P, G, O, BF16> a{static_cast<P*>(args.param), static_cast<BF16*>(args.exp_avg),
                                 static_cast<BF16*>(args.exp_avg_sq), static_cast<const G*>(args.grad),
                                 static_cast<O*>(args.param_out)};
-    loop<Ops, P, G, O, BF16, true, kDecay, kLerpSmall, true>(c, a, begin, end, args.prefetch_elems, acc);
+    loop<Ops, P, G, O, BF16, true, kDecay>(c, a, begin, end, args.prefetch_elems, acc);
   }
   return Ops::acc_sum(acc);
 }
 
-// Runtime flags to template parameters: fn(std::integral_constant<...>) for the factors' decay mode, and fn(true_type
-// or false_type) for a flag, so each combination is its own loop with no test inside it.
+// The factors' decay mode as a template parameter: fn(std::integral_constant<...>), so each mode is its own loop.
 template <class Fn>
 double with_decay(const Factors& f, Fn&& fn) {
   if (f.l2_decay) return fn(std::integral_constant<Decay, Decay::kL2>{});
   if (f.decoupled_decay) return fn(std::integral_constant<Decay, Decay::kDecoupled>{});
   return fn(std::integral_constant<Decay, Decay::kNone>{});
 }
-template <class Fn>
-double with_flag(bool flag, Fn&& fn) {
-  return flag ? fn(std::true_type{}) : fn(std::false_type{});
-}
 
 template <class Ops, class P, class G, class O, bool kStats>
 double run_mode(const Args& a, int64_t begin, int64_t end) {
-  return with_decay(a.f, [&](auto decay) {
-    return with_flag(a.f.lerp_small, [&](auto lerp_small) {
-      return with_flag(a.f.scale_grad, [&](auto scale) {
-        return run_fp32<Ops, P, G, O, kStats, decltype(decay)::value, decltype(lerp_small)::value,
-                        decltype(scale)::value>(a, begin, end);
-      });
-    });
-  });
+  return with_decay(a.f,
+                    [&](auto decay) { return run_fp32<Ops, P, G, O, kStats, decltype(decay)::value>(a, begin, end); });
 }
 
 template <class Ops, class P, class G, class O>
 double run_lowp_mode(const Args& a, int64_t begin, int64_t end) {
-  return with_decay(a.f, [&](auto decay) {
-    return with_flag(a.f.lerp_small, [&](auto lerp_small) {
-      return run_lowp<Ops, P, G, O, decltype(decay)::value, decltype(lerp_small)::value>(a, begin, end);
-    });
-  });
+  return with_decay(a.f, [&](auto decay) { return run_lowp<Ops, P, G, O, decltype(decay)::value>(a, begin, end); });
 }
 
 template <class Ops, class P, class G, class O>
