@@ -230,6 +230,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _quant_block(index: dict[str, Any]) -> int:
+    """Elements per absmax of int8 optimizer moments (``index["optimizer"]["quant_block"]``, 2048 when absent).
+
+    Raises:
+        CheckpointError: a value that is not a positive int.
+    """
+    block = index.get("optimizer", {}).get("quant_block", 2048) if isinstance(index.get("optimizer"), dict) else 2048
+    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 2**30:
+        raise CheckpointError(
+            f"sharded checkpoint: {INDEX} optimizer.quant_block {str(block)[:40]!r} is not a block size (int >= 1)"
+        )
+    return block
+
+
 def check_headers(directory: Path, index: dict[str, Any]) -> None:
     """Every rank file's safetensors header against the index: each ``flat.{i}.*`` shard has ``shard_numel``
     elements, the parameter shard the index's dtype, the master fp32, and no flat index is beyond the index's."""
@@ -254,11 +268,15 @@ def check_headers(directory: Path, index: dict[str, Any]) -> None:
                 sl = f.get_slice(key)
                 numel, dtype = math.prod(sl.get_shape()), sl.get_dtype()
                 want_dtype = _ST_NAMES[entries[i]["dtype"]] if kind == "param" else "F32"
-                if numel != entries[i]["shard_numel"] or (kind in ("param", "master") and dtype != want_dtype):
+                want_numel = entries[i]["shard_numel"]
+                if kind.endswith("_absmax"):  # int8 moments' block scales: one fp32 per block of the shard
+                    block = _quant_block(index)
+                    want_numel, kind = -(-want_numel // block), "absmax"
+                if numel != want_numel or (kind in ("param", "master", "absmax") and dtype != want_dtype):
                     raise CheckpointError(
                         f"sharded checkpoint {directory}: {name} holds {key} with {numel} elements of {dtype}; "
-                        f"{INDEX} says {entries[i]['shard_numel']} elements"
-                        f"{f' of {want_dtype}' if kind in ('param', 'master') else ''} (flat parameter {i}: "
+                        f"{INDEX} says {want_numel} elements"
+                        f"{f' of {want_dtype}' if kind in ('param', 'master', 'absmax') else ''} (flat parameter {i}: "
                         f"{entries[i]['names'][:3]}...)"
                     )
             for i, entry in enumerate(entries):

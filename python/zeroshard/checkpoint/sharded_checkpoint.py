@@ -66,6 +66,11 @@ from zeroshard.checkpoint.safe_paths import create_exclusive
 
 __all__ = ["CheckpointError", "is_sharded_checkpoint", "load_sharded", "read_trainer_state", "save_sharded", "verify"]
 FORMAT_VERSION = 2
+# optimizer state keys of the fused Adam's moments and their int8 block scales (zeroshard.optim.state_format; this
+# layer imports no other)
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+ABSMAX_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
+_ST_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 # the single-version layout's files (its manifest.json, if adopted: zeroshard.checkpoint.adopt), deleted once replaced
 _LEGACY_FILES = [INDEX, trainer_state_module.LEGACY, "rank*.safetensors", MANIFEST]
 
@@ -88,12 +93,15 @@ def _rank_tensors(engine) -> tuple[dict[str, torch.Tensor], list[dict], dict]:
             if not fp.master_aliases_shard:
                 tensors[f"flat.{i}.master"] = fp.master.detach().cpu()
             for key, value in engine.optim.optimizer_of(fp).state.get(fp.master, {}).items():
-                if torch.is_tensor(value) and value.dim() == 1 and value.numel() == fp.layout.shard_numel:
+                per_element = torch.is_tensor(value) and value.dim() == 1 and value.numel() == fp.layout.shard_numel
+                if per_element or (key in ABSMAX_KEYS and torch.is_tensor(value)):  # as kept: no fp32 blow-up
                     tensors[f"flat.{i}.optim.{key}"] = value.detach().cpu()
                 else:
                     scalar_state.setdefault(str(i), {})[key] = value.item() if torch.is_tensor(value) else value
             entry["group"] = engine.optim.group_index_of(fp)  # numbered across optimizers (OptimizerSet)
         layouts.append(entry)
+    for key, dynamic_map in engine.optim.quant_maps().items():  # int8 moments are codes of these (readable alone)
+        tensors[f"quant.map.{key}"] = dynamic_map
     # this rank's random-number generators, restored when the same rank count loads the checkpoint
     tensors["rng.torch"] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -191,6 +199,7 @@ def save_sharded(engine, path: str | os.PathLike, trainer_state: dict[str, Any] 
                     "scalar_state": scalar_state,
                     "group_optimizer": engine.optim.group_optimizer,  # which optimizer owns each group
                     "classes": engine.optim.kinds(),  # checked on load (zeroshard.optim.restore_checks)
+                    "quant_block": engine.optim.QUANT_BLOCK,  # elements per absmax of int8 moments
                 },
                 "files": {i["file"]: {"bytes": i["bytes"], "sha256": i["sha256"]} for i in infos},
                 "aliases": _aliases(engine.module),
@@ -295,6 +304,44 @@ class _SavedShards:
             pos, done = pos + n, done + n
         return True
 
+    def read_values(self, kind: str, name: str, start: int, end: int, out: torch.Tensor) -> bool:
+        """As :meth:`read` into an fp32 ``out``, with int8 moments (uint8 codes of ``optim.KEY`` and their
+        ``optim.KEY_absmax``, blocks of ``quant_block`` elements of each saved shard) turned into their exact fp32
+        values, ``map[code] * absmax`` with the dynamic map saved beside them (``quant.map.KEY``), as the kernel
+        reads them.
+
+        Raises:
+            CheckpointError: uint8 moments without their absmax or map.
+        """
+        if name not in self.where:
+            return False
+        i, off = self.where[name]
+        key = f"flat.{i}.{kind}"
+        if key not in self._file(0).keys():
+            return False
+        if self._file(0).get_slice(key).get_dtype() != "U8":
+            return self.read(kind, name, start, end, out)
+        moment = kind.removeprefix("optim.")
+        block = int(self.index["optimizer"].get("quant_block", 0))
+        if f"quant.map.{moment}" not in self._file(0).keys() or block < 1:
+            raise CheckpointError(f"sharded checkpoint {self.path}: {key} holds int8 codes but no quant.map.{moment}")
+        table = self._file(0).get_tensor(f"quant.map.{moment}")
+        shard = self.index["flat_params"][i]["shard_numel"]
+        pos, end, done = off + start, off + end, 0
+        while pos < end:
+            rank, local = divmod(pos, shard)
+            n = min(end - pos, shard - local)
+            f = self._file(rank)
+            if f"{key}_absmax" not in f.keys():
+                raise CheckpointError(f"sharded checkpoint {self.path}: {key} holds int8 codes but no {key}_absmax")
+            codes = f.get_slice(key)[local : local + n]
+            b0 = local // block
+            absmax = f.get_slice(f"{key}_absmax")[b0 : (local + n - 1) // block + 1]
+            scale = absmax.repeat_interleave(block)[local - b0 * block : local - b0 * block + n]
+            out[done : done + n].copy_(table[codes.long()] * scale)
+            pos, done = pos + n, done + n
+        return True
+
     def read_whole(self, key: str) -> torch.Tensor:
         return self._file(0).get_tensor(key)
 
@@ -368,17 +415,10 @@ def load_sharded(engine, path: str | os.PathLike, weights_only: bool | None = No
             optimizer.state.clear()
     scalar_state = index["optimizer"].get("scalar_state", {}) if restore_optimizer else {}
     for fp in engine.flat_params if restore_optimizer else []:
-        first = fp.names[0]
-        i, _ = saved.where.get(first, (None, 0))
+        i, _ = saved.where.get(fp.names[0], (None, 0))
         if i is None:
             continue
-        keys = [k.split(".optim.", 1)[1] for k in saved._file(0).keys() if k.startswith(f"flat.{i}.optim.")]
-        opt_state: dict[str, Any] = {}
-        for key in keys:
-            t = torch.zeros(fp.layout.shard_numel, dtype=torch.float32, device=fp.master.device)
-            for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
-                saved.read(f"optim.{key}", fp.names[pi], p_off, p_off + n, t[s_off : s_off + n])
-            opt_state[key] = t
+        opt_state = _shard_state(engine, saved, fp, i)
         for key, value in scalar_state.get(str(i), {}).items():
             opt_state[key] = torch.tensor(value, dtype=torch.float32) if key == "step" else value
         if opt_state:
@@ -397,6 +437,56 @@ def load_sharded(engine, path: str | os.PathLike, weights_only: bool | None = No
         f"zeroshard: loaded sharded checkpoint {where.root}, version {where.version} ({len(index['files'])} rank "
         f"files, saved by {index['world_size']} ranks at stage {index.get('stage')}; every file verified)"
     )
+    return state
+
+
+def _shard_state(engine, saved: _SavedShards, fp, i: int) -> dict[str, torch.Tensor]:
+    """The per-element optimizer state of flat parameter ``fp`` (saved as flat parameter ``i``) for this rank's shard.
+
+    Moments (``exp_avg``, ``exp_avg_sq``) saved in the format ``fp``'s optimizer keeps, by ranks that held the very
+    same shard (same world size, names, offsets and shard size), are copied as they are: bit for bit, int8 codes and
+    absmax included. Otherwise they are read as exact fp32 values (:meth:`_SavedShards.read_values`) and converted by
+    the optimizer (``engine.optim.convert_shard_moments``): int8 blocks of a reshard (N -> M ranks, another stage or
+    bucket size) are requantised, deterministically, over the new shard's blocks. Other per-element state (momentum
+    ...) is read into fp32, as before."""
+    shard = fp.layout.shard_numel
+    device = fp.master.device
+    f0 = saved._file(0)
+    prefix = f"flat.{i}.optim."
+    keys = [k.removeprefix(prefix) for k in f0.keys() if k.startswith(prefix)]
+    saved_dtype = {k: f0.get_slice(prefix + k).get_dtype() for k in keys}
+    entry = saved.index["flat_params"][i]
+    same_shard = (
+        saved.index["world_size"] == engine.world_size
+        and entry["names"] == list(fp.names)
+        and entry["offsets"] == list(fp.layout.offsets)
+        and entry["shard_numel"] == shard
+    )
+    live = engine.optim.state_format_of(fp)
+    moments = [k for k in _MOMENTS if k in keys]
+    saved_fmt = {"U8": "int8", "BF16": torch.bfloat16, "F32": torch.float32}.get(saved_dtype.get("exp_avg"))
+    as_is = same_shard and len(moments) == 2 and saved_fmt == live
+    state: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in ABSMAX_KEYS or (key in moments and not as_is):
+            continue
+        dtype = _ST_DTYPES[saved_dtype[key]] if key in moments else torch.float32
+        t = torch.zeros(shard, dtype=dtype, device=device)
+        for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
+            saved.read(f"optim.{key}", fp.names[pi], p_off, p_off + n, t[s_off : s_off + n])
+        state[key] = t
+    if as_is and live == "int8":
+        own = saved._file(fp.rank)
+        for key in ABSMAX_KEYS:
+            state[key] = own.get_tensor(prefix + key).to(device)
+    elif moments and not as_is:
+        values = {}
+        for key in moments:
+            t = torch.zeros(shard, dtype=torch.float32)
+            for pi, p_off, s_off, n in fp.layout.shard_slices(fp.rank):
+                saved.read_values(f"optim.{key}", fp.names[pi], p_off, p_off + n, t[s_off : s_off + n])
+            values[key] = t
+        state.update(engine.optim.convert_shard_moments(fp, values) if len(values) == 2 else values)
     return state
 
 

@@ -4,6 +4,12 @@ Shards of every per-element state tensor (``exp_avg``, ``exp_avg_sq``, momentum,
 and cut back into per-parameter tensors, numbered as torch numbers the parameters of the optimizer the user built.
 The result is what the same optimizer would hold without zeroshard, so a checkpoint loads into plain torch, into
 Lightning's ``ddp``, or into zeroshard at any world size and stage (each rank takes only its own shard slices back).
+
+State formats (:mod:`zeroshard.optim.state_format`): bf16 moments are gathered as they are (exact, and what a
+single-process ``CPUAdam(state_dtype=torch.bfloat16)`` holds); int8 moments are written as their exact fp32 values
+(:func:`~zeroshard.optim.state_format.moments_fp32`), since their blocks belong to the shard, not to a parameter:
+torch's fp32 Adam format, readable by any tool. Loading converts the moments to the format of the optimizer that takes
+them (int8 requantised over the new shards' blocks: deterministic, not the saved bits; sharded checkpoints keep them).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from zeroshard.optim import restore_checks
+from zeroshard.optim.state_format import ABSMAX_KEYS, convert_moments, moments_fp32
 from zeroshard.sharding.flat_param import FlatParam
 
 State = dict[str, Any]
@@ -37,6 +44,10 @@ def consolidated_state_dict(
     per_param: dict[tuple[int, int], State] = {}
     for fi, fp in enumerate(flat_params):
         shard_state = optimizer.state.get(fp.master, {})
+        if torch.is_tensor(shard_state.get("exp_avg")) and shard_state["exp_avg"].dtype == torch.uint8:
+            m, v = moments_fp32(shard_state)  # int8 blocks are the shard's: write exact fp32 moments
+            kept = {k: x for k, x in shard_state.items() if k not in ABSMAX_KEYS}
+            shard_state = {**kept, "exp_avg": m, "exp_avg_sq": v}
         for key in sorted(shard_state):
             value = shard_state[key]
             if _is_per_element(value, fp.layout.shard_numel):
@@ -132,6 +143,12 @@ def load_consolidated_state_dict(
                 new_state[key] = shard
             else:
                 new_state[key] = first.clone() if torch.is_tensor(first) else first
+        fmt = getattr(optimizer, "state_dtype", None)  # a CPUAdam: its moments in its own format
+        if fmt is not None and all(torch.is_tensor(new_state.get(k)) for k in ("exp_avg", "exp_avg_sq")):
+            for key in ABSMAX_KEYS:
+                new_state.pop(key, None)
+            moments = convert_moments(new_state, fmt, torch.Size([fp.layout.shard_numel]))
+            new_state.update({k: t.to(master.device) for k, t in moments.items()})
         optimizer.state[master] = new_state
 
 

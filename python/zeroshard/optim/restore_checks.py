@@ -41,7 +41,8 @@ IMPLEMENTATION_KEYS = frozenset(
 )
 # flags one implementation of Adam has and the other lacks: dropped only at the value that means "the other's step"
 NEUTRAL = {"amsgrad": False, "maximize": False, "bias_correction": True}
-_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+# exp_avg_absmax / exp_avg_sq_absmax: the block scales of CPUAdam's int8 moments (zeroshard.optim.state_format)
+_ADAM_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"})
 STATE_KEYS = {"torch.optim.AdamW": _ADAM_STATE, "torch.optim.Adam": _ADAM_STATE, "torch.optim.SGD": {"momentum_buffer"}}
 _UNIT_INTERVAL = ("momentum", "base_momentum", "max_momentum")
 RESET_HINT = (

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from zeroshard.ops import QUANT_BLOCK, dynamic_map
 from zeroshard.optim import restore_checks
+from zeroshard.optim.state_format import convert_moments
 from zeroshard.sharding.flat_param import FlatParam
 
 
@@ -111,6 +113,8 @@ def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optim
 class OptimizerSet:
     """The optimizers of one engine, with their param groups numbered in one sequence.
 
+    ``QUANT_BLOCK``: elements per int8 state block (2048), for readers of checkpoints.
+
     Args:
         optimizers: one torch optimizer or several, fresh (no state), over disjoint parameters of one module.
 
@@ -123,6 +127,8 @@ class OptimizerSet:
         TypeError: if an element is not a ``torch.optim.Optimizer``.
         ValueError: if no optimizer is given, or one parameter is in two optimizers.
     """
+
+    QUANT_BLOCK = QUANT_BLOCK
 
     def __init__(self, optimizers: Optimizer | Sequence[Optimizer]) -> None:
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
@@ -209,6 +215,28 @@ class OptimizerSet:
     def param_groups(self) -> list[dict]:
         """Every optimizer's param group dicts (live), in the global group order."""
         return [group for opt in self.optimizers for group in opt.param_groups]
+
+    # -- state formats, for checkpoints (:mod:`zeroshard.optim.state_format`; the checkpoint layer imports no optim) --
+
+    def state_format_of(self, fp: FlatParam) -> torch.dtype | str:
+        """The format ``fp``'s optimizer keeps moments in: a ``CPUAdam``'s ``state_dtype``, else ``torch.float32``."""
+        return getattr(self.optimizer_of(fp), "state_dtype", torch.float32)
+
+    def convert_shard_moments(self, fp: FlatParam, moments: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"exp_avg", "exp_avg_sq"}`` of ``fp``'s shard (fp32 values, or any format) as new tensors in the format
+        of ``fp``'s optimizer (:func:`~zeroshard.optim.state_format.convert_moments`: int8 requantised by the kernel's
+        rule, bf16 rounded to nearest even; deterministic), 1-D of ``shard_numel``, on the master's device."""
+        device = fp.master.device
+        out = convert_moments({k: v.cpu() for k, v in moments.items()}, self.state_format_of(fp), torch.Size([-1]))
+        return {k: v.to(device) for k, v in out.items()}
+
+    def quant_maps(self) -> dict[str, torch.Tensor]:
+        """The dynamic maps int8 moments are codes of (``exp_avg``: signed, ``exp_avg_sq``: unsigned; 256 fp32 each),
+        if any optimizer keeps int8 moments, else ``{}``: a checkpoint stores them so it can be read without the
+        kernel (``map[code] * absmax``, blocks of :data:`QUANT_BLOCK` elements)."""
+        if not any(getattr(o, "state_dtype", None) == "int8" for o in self.optimizers):
+            return {}
+        return {"exp_avg": dynamic_map(True), "exp_avg_sq": dynamic_map(False)}
 
     # -- restoring from a checkpoint (:mod:`zeroshard.optim.restore_checks`; the checkpoint layer imports no optim) -
 
