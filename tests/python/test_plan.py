@@ -186,3 +186,24 @@ def test_cli_takes_a_configure_model_callable(tmp_path, monkeypatch, capsys):
     assert plan_main(args + ["--stages", "3", "--no-hybrid"]) == 0
     out = capsys.readouterr().out
     assert "planmodel:build: 0.001B parameters (1,230,848 trainable), 6 units" in out
+
+
+def test_optimizer_state_bytes_follow_the_state_format():
+    """fp32 moments 8 bytes per parameter, bf16 4, int8 2 plus one fp32 absmax per moment and block of 2048 of each
+    shard; on the device without offload, on the host with it, and in DDP's whole-model count."""
+    from zeroshard.plan.memory import optimizer_state_bytes
+
+    spec = gpt_spec(4, 512, 8, 50304, 256)
+    cluster = PRESETS["h100"]
+    for layout, where in ((Layout(2), "device"), (Layout(3, True), "host"), (Layout("ddp"), "device")):
+        got = {
+            fmt: memory(spec, Training(optimizer_state_dtype=fmt), layout, cluster)[where]["optimizer_state"]
+            for fmt in (torch.float32, torch.bfloat16, "int8")
+        }
+        assert got[torch.float32] == memory(spec, Training(), layout, cluster)[where]["optimizer_state"] > 0
+        assert got[torch.bfloat16] == got[torch.float32] / 2
+        n = got[torch.float32] / 8  # trainable elements counted (shards, padding included)
+        assert 2 * n + 8 * n / 2048 <= got["int8"] <= 2 * n + 8 * (n / 2048 + 64), (layout, got["int8"], n)
+    assert optimizer_state_bytes(Training(optimizer_state_dtype="int8"), [2048, 2049, 1]) == 2 * 4098 + 8 * 4
+    with pytest.raises(ValueError, match="optimizer_state_dtype='int4'"):
+        Training(optimizer_state_dtype="int4")

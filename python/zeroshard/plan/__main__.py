@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--precision", choices=sorted(DTYPES), default="bf16", help="compute dtype")
     t.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="fp32")
+    t.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32", help="Adam moments' format")
     t.add_argument("--activation-checkpointing", action="store_true")
     o = p.add_argument_group("output")
     o.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction of memory kept free")
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         compute_dtype=DTYPES[args.precision],
         reduce_dtype=DTYPES[args.reduce_dtype],
         activation_checkpointing=args.activation_checkpointing,
+        optimizer_state_dtype={"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}[args.state_dtype],
     )
     stages = tuple(int(s) for s in args.stages.split(","))
     rows = plan(spec, train, cluster, args.margin, stages, hybrid=not args.no_hybrid, ddp=args.ddp)

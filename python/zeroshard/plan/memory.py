@@ -10,7 +10,7 @@ params              compute-dtype parameters: whole at stages 1-2, this rank's s
 grads               stage 1: the whole gradient buffer (kept) + the fp32 gradient shard; stages 2-3: the fp32 shard;
                     with optimizer offload the shard lives on the host
 master              fp32 master shard, when it does not alias the parameter shard (compute dtype is not fp32)
-optimizer_state     Adam's exp_avg and exp_avg_sq shards (8 bytes per element)
+optimizer_state     Adam's exp_avg and exp_avg_sq shards (8 bytes per element; bf16 4, int8 2 + 8 per 2048)
 buckets             the largest transient: gradient buckets in flight during backward (max_inflight + 1 full
                     buffers at stages 2-3), autograd's gradient of the largest parameter before the hook takes it, the
                     all-gather staging of several flat parameters after the step; with offload on a GPU, the gradient
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard import _C
+from zeroshard.ops import QUANT_BLOCK
 from zeroshard.plan.cluster import Cluster
 from zeroshard.plan.model_spec import ModelSpec, Shape, _numel
 
@@ -58,7 +59,13 @@ HOST_ITEMS = ("baseline", "params", "grads", "master", "optimizer_state", "pinne
 
 @dataclass(frozen=True)
 class Training:
-    """How the model is trained (defaults: zeroshard's ZeroConfig defaults, AdamW, bf16 compute, fp32 reduction)."""
+    """How the model is trained (defaults: zeroshard's ZeroConfig defaults, AdamW, bf16 compute, fp32 reduction).
+
+    ``optimizer_state_bytes``: bytes of optimizer state per trainable element (Adam's fp32 moments: 8), used unless
+    ``optimizer_state_dtype`` names the fused Adam's state format (``ZeroConfig.optimizer_state_dtype``):
+    ``torch.float32`` 8 bytes per element, ``torch.bfloat16`` 4, ``"int8"`` 2 plus one fp32 absmax per moment and
+    started block of 2048 elements of each shard (:func:`optimizer_state_bytes`). Raises ValueError for another value.
+    """
 
     micro_batch: int = 1
     seq_len: int | None = None  # default: the model's
@@ -67,11 +74,36 @@ class Training:
     reduce_dtype: torch.dtype = torch.float32
     activation_checkpointing: bool = False
     optimizer_state_bytes: int = 8
+    optimizer_state_dtype: object = None
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 25_000_000
     max_inflight_buckets: int = 2
     offload_chunk_size: int = 4 * 1024 * 1024
     align_bytes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.optimizer_state_dtype is not None and not any(
+            type(self.optimizer_state_dtype) is type(f) and self.optimizer_state_dtype == f for f in _STATE_FORMATS
+        ):
+            raise ValueError(
+                f"Training(optimizer_state_dtype={self.optimizer_state_dtype!r}): use None (optimizer_state_bytes), "
+                "torch.float32, torch.bfloat16 or 'int8'"
+            )
+
+
+_STATE_FORMATS = (torch.float32, torch.bfloat16, "int8")
+
+
+def optimizer_state_bytes(train: Training, shards: list[int]) -> float:
+    """Bytes of optimizer state over trainable tensors of ``shards`` elements each (flat shards, or one whole
+    model): ``train.optimizer_state_bytes`` per element, or by ``train.optimizer_state_dtype``: fp32 8, bf16 4, int8
+    ``2 * n + 8 * ceil(n / 2048)`` per tensor of ``n`` (uint8 codes of both moments and their fp32 block absmax)."""
+    fmt = train.optimizer_state_dtype
+    if fmt is None:
+        return float(train.optimizer_state_bytes * sum(shards))
+    if fmt == "int8":
+        return float(sum(2 * n + 8 * -(-n // QUANT_BLOCK) for n in shards))
+    return float(2 * fmt.itemsize * sum(shards))
 
 
 @dataclass(frozen=True)
@@ -186,7 +218,6 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     """
     world = cluster.world_size
     p, g = train.compute_dtype.itemsize, train.reduce_dtype.itemsize
-    osb = train.optimizer_state_bytes
     dev = dict.fromkeys(DEVICE_ITEMS, 0.0)
     host = dict.fromkeys(HOST_ITEMS, 0.0)
     host["baseline"] = cluster.host_baseline
@@ -196,7 +227,7 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         n = spec.trainable
         dev["params"] = 4.0 * spec.num_params
         dev["grads"] = 8.0 * n  # .grad and DDP's bucket copy (gradient_as_bucket_view=False)
-        dev["optimizer_state"] = float(osb * n)
+        dev["optimizer_state"] = optimizer_state_bytes(train, [n])
         dev["gathered_units"] = float(p * spec.num_params) if p < 4 else 0.0  # autocast's weight copies
         return _totals(dev, host, cluster, None)
 
@@ -245,13 +276,13 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         staging = p * _allgather_staging(fp.trainable, train.allgather_bucket_size)
     if not off:
         dev["grads"] += 4.0 * shard_t
-        dev["optimizer_state"] = float(osb * shard_t)
+        dev["optimizer_state"] = optimizer_state_bytes(train, [fp.shard(n) for n in fp.trainable])
         if p != 4:
             dev["master"] = 4.0 * shard_t
         dev["step_temp"] = 2 * 4.0 * shard_t  # torch's foreach AdamW: the denominator and the update
     else:
         host["master"] = 4.0 * shard_t
-        host["optimizer_state"] = float(osb * shard_t)
+        host["optimizer_state"] = optimizer_state_bytes(train, [fp.shard(n) for n in fp.trainable])
         host["grads"] = float(g * shard_t)
         host["pinned_buffers"] = 2.0 * train.offload_chunk_size * 4
         if op:

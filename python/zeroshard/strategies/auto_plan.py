@@ -76,6 +76,7 @@ def auto_config(
         grad_accum=grad_accum,
         compute_dtype=compute_dtype or torch.float32,
         reduce_dtype=config.reduce_dtype or torch.float32,
+        optimizer_state_dtype=config.optimizer_state_dtype,
         activation_checkpointing=activation_checkpointing,
         reduce_bucket_size=config.reduce_bucket_size,
         allgather_bucket_size=config.allgather_bucket_size,
