@@ -1,4 +1,5 @@
-"""``optimizer_state_dtype`` (bf16 and int8 Adam moments) in the ZeRO engine: stages 1-3, with and without offload.
+"""``optimizer_state_dtype`` (bf16 and int8 Adam moments) in the ZeRO engine: stages 1-3, with and without offload
+(also ``overlap_step`` and stage 3's ``offload_params``).
 
 Multi-rank runs (2 ranks on gloo, one launch for every case: ``scripts/state_format_runs.py``) against single-process
 ``CPUAdam`` with the same ``state_dtype``, computed from the same batches:
@@ -32,9 +33,13 @@ CASES = [
     {"stage": 3, "fmt": "bf16", "offload": True},
     {"stage": 3, "fmt": "int8", "offload": False},
     {"stage": 3, "fmt": "int8", "offload": True},
+    {"stage": 2, "fmt": "int8", "offload": True, "overlap_step": True},
+    {"stage": 3, "fmt": "int8", "offload": True, "offload_params": True},
+    {"stage": 3, "fmt": "bf16", "offload": True, "offload_params": True},
 ]
 for _c in CASES:
-    _c.update(name=f"stage{_c['stage']}_{_c['fmt']}_{'offload' if _c['offload'] else 'cpu_adam'}", bucket=5000)
+    _extra = "".join(f"_{k}" for k in ("overlap_step", "offload_params") if _c.get(k))
+    _c.update(name=f"stage{_c['stage']}_{_c['fmt']}_{'offload' if _c['offload'] else 'cpu_adam'}{_extra}", bucket=5000)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +111,38 @@ def test_strategies_take_the_setting():
     for cls in (ZeroStrategy, ZeroFabricStrategy):
         with pytest.raises(ValueError, match=r"optimizer_state_dtype='int4'.*'int8'"):
             cls(optimizer_state_dtype="int4")
+
+
+@pytest.mark.parametrize("chunk", [1, 3000, 4096, 1 << 20])
+def test_int8_offload_step_equals_one_kernel_call(chunk):
+    """The chunked host step of int8 state (``QuantizedHostStep``; chunks rounded down to whole blocks) equals one
+    ``adam_step`` over each whole segment bit for bit: weights, codes, absmax and the uploaded compute-dtype copy."""
+    from zeroshard import _C
+    from zeroshard.offload.quantized_step import QuantizedHostStep, QuantSegment
+    from zeroshard.ops import adam_step, quantize_state
+
+    g = torch.Generator().manual_seed(3)
+    q = _C.make_copy_queue(torch.device("cpu"))
+    step = QuantizedHostStep(q, _C.make_copy_queue(torch.device("cpu")), chunk, pin=False)
+    segments, refs = [], []
+    for n in (5000, 2048, 7):
+        master = torch.randn(n, generator=g)
+        grad = torch.randn(n, generator=g).bfloat16()
+        mq, ma = quantize_state(torch.randn(n, generator=g) * 1e-2, signed=True)
+        vq, va = quantize_state(torch.rand(n, generator=g) * 1e-4, signed=False)
+        mine = [t.clone() for t in (master, mq, vq, ma, va)]
+        out = torch.zeros(n, dtype=torch.bfloat16)
+        hyper = (3, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, True, 1.0, 1.0)
+        segments.append(QuantSegment((mine[0], mine[1], mine[2], grad, 0, None, out, *hyper), mine[3], mine[4]))
+        ref = [t.clone() for t in (master, mq, vq, ma, va)]
+        ref_out = torch.zeros(n, dtype=torch.bfloat16)
+        adam_step(ref[0], grad, ref[1], ref[2], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                  adamw_mode=True, bias_correction=True, param_out=ref_out, exp_avg_absmax=ref[3],
+                  exp_avg_sq_absmax=ref[4])  # fmt: skip
+        refs.append((mine, out, ref, ref_out))
+    step.step(segments)
+    for mine, out, ref, ref_out in refs:
+        for a, b in zip(mine, ref):
+            assert torch.equal(a, b)
+        assert torch.equal(out, ref_out) and out.abs().sum() > 0
+    assert step.upload_buffer_bytes() == 2 * 4 * max(2048, chunk // 2048 * 2048)

@@ -2,8 +2,9 @@
 CPUAdam references.
 
 Usage: ``state_format_runs.py OUT_DIR CASES_JSON``. Each case: ``{"name", "stage", "fmt" ("bf16" | "int8"),
-"offload" (bool), "bucket" (reduce_bucket_size)}``. Every rank runs every case (a fresh engine over a fresh TinyLM,
-``STEPS`` steps, each rank its own batches) and computes the references itself, in process, from the same batches:
+"offload" (bool), "bucket" (reduce_bucket_size), optional "overlap_step" / "offload_params" (bool)}``. Every rank
+runs every case (a fresh engine over a fresh TinyLM, ``STEPS`` steps, each rank its own batches); rank 0 also computes
+the references, in process, from the same batches:
 
 * ``per_param``: ``CPUAdam(state_dtype=fmt)`` over the model's parameters (what a user gets without zeroshard);
 * ``same_shards``: ``CPUAdam(state_dtype=fmt)`` over tensors cut like the engine's flat shards (each flat parameter's
@@ -125,6 +126,8 @@ def run_case(out: Path, case: dict) -> None:
         optimizer_state_dtype=fmt,
         reduce_bucket_size=case.get("bucket", 25_000_000),
         wrap_policy=Block if stage == 3 else None,
+        overlap_step=case.get("overlap_step", False),
+        offload_params=case.get("offload_params", False),
     )
     engine = zeroshard.ZeroEngine(model, opt, config)
     for per_rank in data:
