@@ -1,5 +1,5 @@
 """``optimizer_state_dtype`` (bf16 and int8 Adam moments) in the ZeRO engine: stages 1-3, with and without offload
-(also ``overlap_step`` and stage 3's ``offload_params``).
+(also ``overlap_step``, stage 3's ``offload_params`` and hybrid sharding).
 
 Multi-rank runs (2 ranks on gloo, one launch for every case: ``scripts/state_format_runs.py``) against single-process
 ``CPUAdam`` with the same ``state_dtype``, computed from the same batches:
@@ -36,9 +36,12 @@ CASES = [
     {"stage": 2, "fmt": "int8", "offload": True, "overlap_step": True},
     {"stage": 3, "fmt": "int8", "offload": True, "offload_params": True},
     {"stage": 3, "fmt": "bf16", "offload": True, "offload_params": True},
+    # hybrid: shard groups of one rank, replicated over both (each rank holds whole flat parameters)
+    {"stage": 2, "fmt": "int8", "offload": False, "shard_group_size": 1},
+    {"stage": 3, "fmt": "int8", "offload": True, "shard_group_size": 1},
 ]
 for _c in CASES:
-    _extra = "".join(f"_{k}" for k in ("overlap_step", "offload_params") if _c.get(k))
+    _extra = "".join(f"_{k}" for k in ("overlap_step", "offload_params", "shard_group_size") if _c.get(k))
     _c.update(name=f"stage{_c['stage']}_{_c['fmt']}_{'offload' if _c['offload'] else 'cpu_adam'}{_extra}", bucket=5000)
 
 

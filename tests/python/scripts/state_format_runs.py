@@ -2,7 +2,8 @@
 CPUAdam references.
 
 Usage: ``state_format_runs.py OUT_DIR CASES_JSON``. Each case: ``{"name", "stage", "fmt" ("bf16" | "int8"),
-"offload" (bool), "bucket" (reduce_bucket_size), optional "overlap_step" / "offload_params" (bool)}``. Every rank
+"offload" (bool), "bucket" (reduce_bucket_size), optional "overlap_step" / "offload_params" (bool),
+"shard_group_size" (hybrid sharding)}``. Every rank
 runs every case (a fresh engine over a fresh TinyLM, ``STEPS`` steps, each rank its own batches); rank 0 also computes
 the references, in process, from the same batches:
 
@@ -128,6 +129,7 @@ def run_case(out: Path, case: dict) -> None:
         wrap_policy=Block if stage == 3 else None,
         overlap_step=case.get("overlap_step", False),
         offload_params=case.get("offload_params", False),
+        shard_group_size=case.get("shard_group_size"),
     )
     engine = zeroshard.ZeroEngine(model, opt, config)
     for per_rank in data:
