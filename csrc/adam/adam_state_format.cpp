@@ -62,6 +62,12 @@ struct Maps {
         if (static_cast<double>(f) < mid) f = std::nextafter(f, kInf);
         t[k] = f;
       }
+      // exp_avg_sq (unsigned) never takes code 0: a second moment below half the smallest positive map value of its
+      // block would otherwise read back as 0 while its exp_avg keeps a code, and that element's next step is
+      // lr * m / eps (seen on a tied embedding's rows that got no gradient: 3% worse loss on a tiny Llama). With code
+      // 1 at least, a nonzero block dequantises every v to >= map[1] * absmax (3.25e-7 of it); an all-zero block
+      // still reads 0 (absmax 0).
+      if (s == 0) t[1] = -kInf;
       // The nearest code by definition: how many thresholds x reaches.
       const auto code = [&](float x) {
         return static_cast<int32_t>(std::upper_bound(t.begin() + 1, t.end(), x) - t.begin() - 1);

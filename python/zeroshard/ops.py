@@ -211,7 +211,8 @@ def dequantize_state(codes: torch.Tensor, absmax: torch.Tensor, *, signed: bool)
 def quantize_state(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp32 moment as int8 state, by the kernel's rule (``adam_step``): per block of 2048 elements absmax =
     ``max |x|`` (NaN if the block holds a NaN or inf; then all its codes are 0), each code the nearest map value to
-    ``x / absmax`` in fp32 (``x`` itself when absmax is 0), ties to the larger code.
+    ``x / absmax`` in fp32 (``x`` itself when absmax is 0), ties to the larger code; with ``signed=False`` at least
+    code 1, so a positive second moment never reads back as 0 (its step would be ``lr * m / eps``).
 
     Args:
         x: float tensor, any shape (bf16 / fp16 are upcast exactly).

@@ -50,7 +50,8 @@ std::vector<float> map_of(bool is_signed) {
   return std::vector<float>(m.data_ptr<float>(), m.data_ptr<float>() + 256);
 }
 
-// Reference block-wise quantisation of x: per block, absmax = max |x|, code = ref_code(x / absmax) (0 -> 1 divisor).
+// Reference block-wise quantisation of x: per block, absmax = max |x|, code = ref_code(x / absmax) (0 -> 1 divisor),
+// at least 1 for the unsigned map (exp_avg_sq: a positive second moment never reads back as 0).
 void ref_quantize(const at::Tensor& x, bool is_signed, at::Tensor& codes, at::Tensor& absmax) {
   const std::vector<float> map = map_of(is_signed);
   const int64_t n = x.numel();
@@ -63,7 +64,10 @@ void ref_quantize(const at::Tensor& x, bool is_signed, at::Tensor& codes, at::Te
     for (int64_t i = b * kAdamQuantBlock; i < e; ++i) a = std::max(a, std::fabs(px[i]));
     absmax.data_ptr<float>()[b] = a;
     const float d = a == 0.f ? 1.f : a;
-    for (int64_t i = b * kAdamQuantBlock; i < e; ++i) codes.data_ptr<uint8_t>()[i] = ref_code(px[i] / d, map);
+    for (int64_t i = b * kAdamQuantBlock; i < e; ++i) {
+      const uint8_t c = ref_code(px[i] / d, map);
+      codes.data_ptr<uint8_t>()[i] = is_signed || c > 0 ? c : 1;  // exp_avg_sq never takes code 0
+    }
   }
 }
 

@@ -88,7 +88,8 @@ def ref_dynamic_map(signed: bool) -> torch.Tensor:
 
 
 def ref_quantize(x: torch.Tensor, qmap: torch.Tensor):
-    """x: float64 holding fp32 values (finite). Per block: absmax, codes = nearest map value (ties up)."""
+    """x: float64 holding fp32 values (finite). Per block: absmax, codes = nearest map value (ties up); with the
+    unsigned map (exp_avg_sq, qmap[0] == 0) at least code 1, so a positive second moment never reads back as 0."""
     n = x.numel()
     blocks = (n + BLOCK - 1) // BLOCK
     codes = torch.empty(n, dtype=torch.long)
@@ -104,7 +105,7 @@ def ref_quantize(x: torch.Tensor, qmap: torch.Tensor):
         dist = (normed[:, None] - qmap.double()[None, :]).abs()
         unique = (dist == dist.min(dim=1, keepdim=True).values).sum(dim=1) == 1
         assert torch.equal(c[unique], dist.argmin(dim=1)[unique])
-        codes[b * BLOCK : (b + 1) * BLOCK] = c
+        codes[b * BLOCK : (b + 1) * BLOCK] = c if qmap[0] < 0 else c.clamp(min=1)
     return codes, absmax
 
 
@@ -295,3 +296,24 @@ def test_trajectory_stays_close_to_fp32_adamw(state_dtype):
     assert loss_ref < 0.01 * start
     assert loss_q < loss_ref * 1.5 + 1e-3 * start, (loss_q, loss_ref)
     assert (w_q - w_ref).norm() < 0.05 * w_ref.norm(), (w_q - w_ref).norm() / w_ref.norm()
+
+
+def test_int8_second_moment_never_reads_back_as_zero():
+    """Elements whose gradient stops, in a block where one element's gradient is large: their exp_avg_sq falls below
+    half the unsigned map's smallest positive value of the block's absmax. Read back as 0 while exp_avg keeps a code,
+    the next step would be lr * m / eps (about 1e3 times the fp32 step here); with code 1 at least it stays within a
+    few times fp32's (the step dequantises v to >= 3.25e-7 of the block's absmax, larger than fp32's true v)."""
+    n = BLOCK
+    steps = []
+    for fmt in (torch.float32, "int8"):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = CPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, state_dtype=fmt)
+        g = torch.full((n,), 1e-4)
+        g[0] = 1.0
+        opt.step(grads={p: g})
+        g[1:] = 0.0  # the gradient of every other element stops
+        before = p.detach().clone()
+        opt.step(grads={p: g})
+        steps.append((p.detach() - before)[1:].abs().max().item())
+    fp32_step, int8_step = steps
+    assert 0 < int8_step <= 4 * fp32_step, (fp32_step, int8_step)
