@@ -31,6 +31,7 @@ so CI tests the pipeline's ordering.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -40,9 +41,8 @@ import torch
 from zeroshard import _C
 from zeroshard.offload.overlap import EarlyStepper
 from zeroshard.offload.quantized_step import QuantizedHostStep, QuantSegment
-from zeroshard.ops import QUANT_BLOCK
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks, step_hyper
-from zeroshard.optim.state_format import moment_bytes
+from zeroshard.optim.state_format import moment_bytes, new_moments
 from zeroshard.sharding.flat_param import FlatParam
 
 GIB = 2**30
@@ -254,21 +254,11 @@ class OffloadedAdam(CPUAdam):
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """As ``CPUAdam``'s, with the moments in counted exact-size host buffers (1-D, like the master shards), in
         ``state_dtype``: fp32 or bf16 moments; int8: uint8 codes and fp32 absmax of ``ceil(numel / 2048)``."""
-        n, fmt = p.numel(), self.state_dtype
-        if fmt == "int8":
-            blocks = -(-n // QUANT_BLOCK)
-            return {
-                "step": 0,
-                "exp_avg": _C.empty_host(n, torch.uint8, False).zero_(),
-                "exp_avg_sq": _C.empty_host(n, torch.uint8, False).zero_(),
-                "exp_avg_absmax": _C.empty_host(blocks, torch.float32, False).zero_(),
-                "exp_avg_sq_absmax": _C.empty_host(blocks, torch.float32, False).zero_(),
-            }
-        return {
-            "step": 0,
-            "exp_avg": _C.empty_host(n, fmt, False).zero_(),
-            "exp_avg_sq": _C.empty_host(n, fmt, False).zero_(),
-        }
+
+        def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+            return _C.empty_host(math.prod(shape), dtype, False).zero_()
+
+        return {"step": 0, **new_moments((p.numel(),), self.state_dtype, zeros=host_zeros)}
 
     def gradients(self) -> list[torch.Tensor]:
         """The host gradient shards of this optimizer's masters (waits for their copies): what clipping and loss

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,20 +57,21 @@ def format_of(st: dict[str, Any]) -> torch.dtype | str:
     return "int8" if m.dtype == torch.uint8 else m.dtype
 
 
-def new_moments(shape: torch.Size, state_dtype: torch.dtype | str) -> dict[str, torch.Tensor]:
-    """Zero moments of a parameter of ``shape`` in ``state_dtype`` (int8: zero codes with zero absmax, i.e. 0.0)."""
+def new_moments(
+    shape: torch.Size, state_dtype: torch.dtype | str, zeros: Callable[..., torch.Tensor] = torch.zeros
+) -> dict[str, torch.Tensor]:
+    """Zero moments of a parameter of ``shape`` in ``state_dtype`` (int8: zero codes with zero absmax, i.e. 0.0).
+    ``zeros(shape, dtype=...)`` allocates each tensor (default ``torch.zeros``; the offload passes counted host
+    buffers)."""
     if state_dtype == "int8":
-        n = 1
-        for d in shape:
-            n *= d
-        blocks = (n + QUANT_BLOCK - 1) // QUANT_BLOCK
+        blocks = (math.prod(shape) + QUANT_BLOCK - 1) // QUANT_BLOCK
         return {
-            "exp_avg": torch.zeros(shape, dtype=torch.uint8),
-            "exp_avg_sq": torch.zeros(shape, dtype=torch.uint8),
-            "exp_avg_absmax": torch.zeros(blocks, dtype=torch.float32),
-            "exp_avg_sq_absmax": torch.zeros(blocks, dtype=torch.float32),
+            "exp_avg": zeros(shape, dtype=torch.uint8),
+            "exp_avg_sq": zeros(shape, dtype=torch.uint8),
+            "exp_avg_absmax": zeros((blocks,), dtype=torch.float32),
+            "exp_avg_sq_absmax": zeros((blocks,), dtype=torch.float32),
         }
-    return {k: torch.zeros(shape, dtype=state_dtype) for k in _MOMENTS}
+    return {k: zeros(shape, dtype=state_dtype) for k in _MOMENTS}
 
 
 def moments_fp32(st: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
