@@ -33,6 +33,9 @@ class DeviceAdam(CPUAdam):
     Args:
         params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, state_dtype: as :class:`CPUAdam`.
             Parameters: fp32 (or bf16, no master), dense, contiguous, on any device.
+        compile: keyword only; step each chunk through ``torch.compile`` (same bits; the first step of each format
+            compiles, about a minute for int8 on a 2-core CPU). Off by default: ``benchmarks/bench_device_adam.py``
+            measures where it is faster.
 
     Raises:
         ValueError: as :class:`CPUAdam` (construction; a bad group hyperparameter or tensor at ``step``, before any
@@ -50,7 +53,9 @@ class DeviceAdam(CPUAdam):
         adamw_mode: bool = True,
         bias_correction: bool = True,
         state_dtype: torch.dtype | str = torch.float32,
+        compile: bool = False,
     ) -> None:
+        self.compile = bool(compile)
         super().__init__(
             params,
             lr,
@@ -106,7 +111,7 @@ class DeviceAdam(CPUAdam):
                 work.append((p, g, st, hyper))
         for p, g, st, hyper in work:
             t = step_count(st["step"]) + 1
-            adam_step_torch(p.detach(), g.detach(), st, step=t, **hyper)
+            adam_step_torch(p.detach(), g.detach(), st, step=t, compile=getattr(self, "compile", False), **hyper)
             st["step"] = t
             self.state[p] = st
         return loss

@@ -147,22 +147,58 @@ def _sqrt32(v: torch.Tensor) -> torch.Tensor:
     return v.double().sqrt().float()  # correctly rounded in float64, so in fp32 after one more rounding
 
 
+_SCALARS = ("weight_decay", "decay_mul", "lerp_coeff", "beta2", "one_minus_beta2", "inv_bc2_sqrt", "eps",
+            "neg_step_size", "grad_unscale", "grad_clip")  # fmt: skip
+
+
+def _scalars(f: Factors, device: torch.device) -> torch.Tensor:
+    """The fp32 factors as one fp32 tensor on ``device`` (so a compiled step is not specialised on their values)."""
+    return torch.tensor([getattr(f, k) for k in _SCALARS], dtype=torch.float32).to(device, non_blocking=True)
+
+
 def update_fp32(
-    f: Factors, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
+    flags: tuple[bool, bool, bool], s: torch.Tensor, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Adam/AdamW element update in the kernel's order and roundings (module docstring); all fp32, same shape.
+    ``flags``: ``(l2_decay, decoupled_decay, lerp_small)``; ``s``: the factors in :data:`_SCALARS` order (fp32).
     Returns new ``(p, m, v)``; the inputs are not modified."""
-    g = g * f.grad_unscale * f.grad_clip
-    if f.l2_decay:
-        g = fma32(f.weight_decay, p, g)
-    if f.decoupled_decay:
-        p = p * f.decay_mul
+    l2_decay, decoupled_decay, lerp_small = flags
+    wd, decay_mul, lerp_coeff, beta2, one_minus_beta2, inv_bc2_sqrt, eps, neg_step_size, unscale, clip = s.unbind()
+    g = g * unscale * clip
+    if l2_decay:
+        g = fma32(wd, p, g)
+    if decoupled_decay:
+        p = p * decay_mul
     diff = g - m
-    m = fma32(f.lerp_coeff, diff, m if f.lerp_small else g)
-    v = fma32(g * f.one_minus_beta2, g, v * f.beta2)
-    denom = fma32(f.inv_bc2_sqrt, _sqrt32(v), f.eps)
-    p = p + (m * f.neg_step_size) / denom
+    m = fma32(lerp_coeff, diff, m if lerp_small else g)
+    v = fma32(g * one_minus_beta2, g, v * beta2)
+    denom = fma32(inv_bc2_sqrt, _sqrt32(v), eps)
+    p = p + (m * neg_step_size) / denom
     return p, m, v
+
+
+def _step_chunk(
+    flags: tuple[bool, bool, bool],
+    s: torch.Tensor,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    ma: torch.Tensor | None,
+    va: torch.Tensor | None,
+    maps: tuple[torch.Tensor, ...] | None,
+) -> tuple[torch.Tensor, ...]:
+    """One chunk's step as a pure function (what ``compile=True`` compiles): fp32 ``p``/``g``, the stored moments
+    ``m``/``v`` (fp32, bf16 or uint8 codes with absmax ``ma``/``va`` and ``maps`` = signed values, signed
+    thresholds, unsigned values, unsigned thresholds). Returns ``(p, m, v[, ma, va])`` in the stored dtypes."""
+    if maps is None:
+        p, m32, v32 = update_fp32(flags, s, p, g, m.float(), v.float())
+        return p, m32.to(m.dtype), v32.to(v.dtype)
+    sv, st, uv, ut = maps
+    p, m32, v32 = update_fp32(flags, s, p, g, _dequantize(m, ma, sv), _dequantize(v, va, uv))
+    mq, ma = _quantize(m32, st)
+    vq, va = _quantize(v32, ut)
+    return p, mq, vq, ma, va
 
 
 _MAPS: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -186,18 +222,12 @@ def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)).view(-1, QUANT_BLOCK)
 
 
-def dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
-    """fp32 values of 1-D uint8 ``codes``: ``map[code] * absmax`` of the code's block (one fp32 multiply)."""
-    values, _ = _maps(codes.device, signed)
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     x = _padded_blocks(values[codes.long()]) * absmax[:, None]
     return x.view(-1)[: codes.numel()]
 
 
-def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D fp32 ``x`` as ``(uint8 codes, fp32 absmax per block)`` by the kernel's rule: absmax = ``max |x|`` of the
-    block (NaN if it holds a NaN or inf; its codes are then 0); code = how many thresholds ``x / absmax`` reaches
-    (nearest map value, ties to the larger; ``exp_avg_sq``'s first threshold is -inf, so never code 0)."""
-    _, thresholds = _maps(x.device, signed)
+def _quantize(x: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _padded_blocks(x)
     absmax = blocks.abs().amax(dim=1)
     absmax = torch.where(absmax.isfinite(), absmax, torch.full_like(absmax, float("nan")))
@@ -206,6 +236,28 @@ def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.
     codes = torch.searchsorted(thresholds, normed, right=True)
     codes = torch.where(normed.isnan(), torch.zeros_like(codes), codes)
     return codes.view(-1)[: x.numel()].to(torch.uint8), absmax
+
+
+def dequantize_blocks(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of 1-D uint8 ``codes``: ``map[code] * absmax`` of the code's block (one fp32 multiply)."""
+    return _dequantize(codes, absmax, _maps(codes.device, signed)[0])
+
+
+def quantize_blocks(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D fp32 ``x`` as ``(uint8 codes, fp32 absmax per block)`` by the kernel's rule: absmax = ``max |x|`` of the
+    block (NaN if it holds a NaN or inf; its codes are then 0); code = how many thresholds ``x / absmax`` reaches
+    (nearest map value, ties to the larger; ``exp_avg_sq``'s first threshold is -inf, so never code 0)."""
+    return _quantize(x, _maps(x.device, signed)[1])
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled_step() -> Any:
+    """``_step_chunk`` through ``torch.compile`` (one fused kernel per chunk on CUDA), built on first use."""
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = torch.compile(_step_chunk, dynamic=True)
+    return _COMPILED["step"]
 
 
 def adam_step_torch(
@@ -223,6 +275,7 @@ def adam_step_torch(
     bias_correction: bool,
     grad_unscale: float = 1.0,
     grad_clip: float = 1.0,
+    compile: bool = False,
 ) -> None:
     """One Adam/AdamW step of ``param`` in place, with the bits of :func:`zeroshard.ops.adam_step` on any device.
 
@@ -236,6 +289,8 @@ def adam_step_torch(
             ``param``'s device. So an int8 optimizer may keep some parameters' moments in fp32.
         step, lr, beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip: as for
             :func:`zeroshard.ops.adam_step` (``step`` counts this step).
+        compile: run each chunk through ``torch.compile`` (the same ops, fused; the same bits): see
+            ``benchmarks/bench_device_adam.py`` for where it measures faster.
 
     NaN / inf: as the kernel. fp32 / bf16 moments poison only the element (torch's AdamW); an int8 block whose new
     moment holds a NaN or inf gets absmax NaN, so from the next step on all its elements are NaN.
@@ -251,29 +306,24 @@ def adam_step_torch(
     check_step_tensors(param, grad, state)
     p_flat, g_flat = param.view(-1), grad.view(-1)
     m_flat, v_flat = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    flags = (f.l2_decay, f.decoupled_decay, f.lerp_small)
+    s = _scalars(f, param.device)
+    maps = (*_maps(param.device, True), *_maps(param.device, False)) if fmt == "int8" else None
+    step_chunk = _compiled_step() if compile else _step_chunk
     for c0 in range(0, n, CHUNK):
         c1 = min(n, c0 + CHUNK)
-        p = p_flat[c0:c1].float()
-        g = g_flat[c0:c1].float()
+        ma = va = None
         if fmt == "int8":
             b0, b1 = c0 // QUANT_BLOCK, -(-c1 // QUANT_BLOCK)
             ma, va = state["exp_avg_absmax"][b0:b1], state["exp_avg_sq_absmax"][b0:b1]
-            m = dequantize_blocks(m_flat[c0:c1], ma, signed=True)
-            v = dequantize_blocks(v_flat[c0:c1], va, signed=False)
-        else:
-            m, v = m_flat[c0:c1].float(), v_flat[c0:c1].float()
-        p, m, v = update_fp32(f, p, g, m, v)
-        p_flat[c0:c1].copy_(p)  # bf16 weights: round to nearest even, as the kernel's store
+        out = step_chunk(flags, s, p_flat[c0:c1].float(), g_flat[c0:c1].float(), m_flat[c0:c1], v_flat[c0:c1],
+                         ma, va, maps)  # fmt: skip
+        p_flat[c0:c1].copy_(out[0])  # bf16 weights: round to nearest even, as the kernel's store
+        m_flat[c0:c1].copy_(out[1])
+        v_flat[c0:c1].copy_(out[2])
         if fmt == "int8":
-            mq, new_ma = quantize_blocks(m, signed=True)
-            vq, new_va = quantize_blocks(v, signed=False)
-            m_flat[c0:c1].copy_(mq)
-            v_flat[c0:c1].copy_(vq)
-            ma.copy_(new_ma)
-            va.copy_(new_va)
-        else:
-            m_flat[c0:c1].copy_(m)
-            v_flat[c0:c1].copy_(v)
+            ma.copy_(out[3])
+            va.copy_(out[4])
 
 
 def check_step_tensors(param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any]) -> None:
