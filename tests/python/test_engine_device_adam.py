@@ -3,7 +3,7 @@
 On GPU master shards the engine replaces a ``CPUAdam`` and torch's Adam/AdamW with a bf16/int8 format by
 ``DeviceAdam``; on CPU master shards, torch's Adam/AdamW with a bf16/int8 format by ``CPUAdam``, and a ``DeviceAdam``
 given by the user is kept. The multi-rank runs (2 gloo ranks, ``scripts/state_format_runs.py``) take the CPU path
-with ``DeviceAdam`` given directly, at stages 2 and 3 and hybrid sharding, against single-process ``CPUAdam`` with the
+with ``DeviceAdam`` given directly, at stages 1-3 and hybrid sharding, against single-process ``CPUAdam`` with the
 same format: bit for bit, since ``DeviceAdam`` has the kernel's bits (``test_device_adam.py``). The GPU choice is
 tested on the decision itself (:func:`adam_class_without_offload`).
 """
@@ -23,6 +23,7 @@ from zeroshard.optim.engine_state_format import adam_class_without_offload, reso
 
 SCRIPT = Path(__file__).parent / "scripts" / "state_format_runs.py"
 CASES = [
+    {"stage": 1, "fmt": "bf16", "optimizer": "device_adam"},
     {"stage": 2, "fmt": "int8", "optimizer": "device_adam"},
     {"stage": 3, "fmt": "int8", "optimizer": "device_adam"},
     {"stage": 3, "fmt": "bf16", "optimizer": "device_adam"},
