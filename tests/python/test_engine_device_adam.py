@@ -89,3 +89,13 @@ def test_torch_adamw_keeps_any_format_without_offload_and_others_are_refused():
         resolve_state_dtype(torch.bfloat16, torch.optim.Adam(p, amsgrad=True), offload=False)
     with pytest.raises(ValueError, match=r"DeviceAdam\(state_dtype=torch.bfloat16\).*'int8'"):
         resolve_state_dtype("int8", DeviceAdam(p, state_dtype=torch.bfloat16), offload=False)
+
+
+def test_swapped_adam_keeps_the_lr_scheduler(tmp_path):
+    """AdamW with bf16 state and no offload becomes CPUAdam on CPU masters; a StepLR built on the AdamW, re-pointed as
+    the strategies do, halves the replacement's lr each step, and the run equals single-process CPUAdam bit for bit."""
+    run_ranks(Path(__file__).parent / "scripts" / "device_adam_scheduler.py", [str(tmp_path)])
+    r = torch.load(tmp_path / "result.pt")
+    assert r["optimizer"] == "CPUAdam" and r["scheduler_follows"]
+    assert [lr[0] for lr in r["lrs"]] == [1e-2 * 0.5**k for k in range(len(r["lrs"]))]
+    torch.testing.assert_close(r["engine"], r["reference"], rtol=0, atol=0)
