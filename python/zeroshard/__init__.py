@@ -10,6 +10,7 @@ Public API:
     load_pretrained: load a safetensors checkpoint, each rank reading only the slices its shards need.
     load_from_checkpoint: ``cls.load_from_checkpoint`` that also reads sharded checkpoint directories (in memory).
     CPUAdam: fused Adam/AdamW for CPU tensors (AVX-512 / AVX2 / scalar, chosen at run time).
+    DeviceAdam: the same step and state formats in torch ops, for parameters on any device (GPU master shards).
     cpu_isa: the instruction set CPUAdam uses on this machine.
     ZeroEngine, ZeroConfig: the engine without Lightning; engine_of(module): the engine built on a module, or None.
     CollectiveError, DivergedRanksError: what a failed or timed-out collective and ranks on different code paths raise.
@@ -28,6 +29,7 @@ from zeroshard.gathered import gathered_parameters
 from zeroshard.isa import cpu_isa, supported_cpu_isas
 from zeroshard.meta_init import init_meta_context
 from zeroshard.optim.cpu_adam import CPUAdam
+from zeroshard.optim.device_adam import DeviceAdam
 from zeroshard.optim.restore_checks import OptimizerRestoreError
 from zeroshard.pretrained import load_pretrained
 from zeroshard.sharding.collective_errors import CollectiveError, DivergedRanksError
@@ -43,6 +45,7 @@ __all__ = [
     "CPUAdam",
     "CheckpointError",
     "CollectiveError",
+    "DeviceAdam",
     "DivergedRanksError",
     "NonFiniteGradientError",
     "OptimizerRestoreError",

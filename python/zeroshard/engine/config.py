@@ -78,9 +78,11 @@ class ZeroConfig:
         optimizer_state_dtype: how the Adam moments are kept (:mod:`zeroshard.optim.state_format`): ``torch.float32``
             (default; 8 bytes per parameter), ``torch.bfloat16`` (4) or ``"int8"`` (block-wise 8-bit, 2 + 8/2048),
             on each rank's shards. Applies to the fused Adam only (:mod:`zeroshard.optim.engine_state_format`):
-            ``zeroshard.optim.CPUAdam``, or torch's Adam/AdamW with ``offload_optimizer=True``; any other optimizer
-            with a non-fp32 format is refused when the engine is built. With the default, a ``CPUAdam`` keeps its own
-            ``state_dtype``.
+            ``zeroshard.optim.CPUAdam`` / ``DeviceAdam``, or torch's Adam/AdamW (without amsgrad/maximize), which
+            the engine replaces by ``OffloadedAdam`` (offload), ``CPUAdam`` (CPU masters) or ``DeviceAdam`` (GPU
+            masters, torch ops); any other optimizer with a non-fp32 format is refused when the engine is built.
+            With the default, a ``CPUAdam`` keeps its own ``state_dtype``; ``ZeroStrategy(stage="auto")`` may choose
+            bf16 or int8 when nothing fits with fp32 and this was not given.
 
     Raises:
         ValueError: naming the bad setting and the accepted values.

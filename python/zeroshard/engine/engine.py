@@ -38,7 +38,7 @@ from zeroshard.offload.offload import (
     host_bytes_needed,
     threads_per_rank,
 )
-from zeroshard.optim.engine_state_format import apply_state_dtype, resolve_state_dtype
+from zeroshard.optim.engine_state_format import adam_class_without_offload, apply_state_dtype, resolve_state_dtype
 from zeroshard.optim.optim_state import (
     check_consolidated_state_dict,
     consolidated_state_dict,
@@ -154,6 +154,8 @@ class ZeroEngine:
         self.optim.rewire(self.flat_params, groups)
         for opt, fmt in zip(self.optim.optimizers, self.state_dtypes):
             apply_state_dtype(opt, fmt)  # a CPUAdam; with offload, OffloadedAdam below is built in ``fmt``
+        if not config.offload_optimizer:
+            _replace_adam(self.optim, self.state_dtypes)  # CPUAdam on CPU masters, DeviceAdam on GPU masters
         if config.offload_optimizer:
             device = self._device()
             self.offload = OptimizerOffload(
@@ -456,6 +458,8 @@ class ZeroEngine:
         new.rewire(self.flat_params, group_of_flat)
         for opt, fmt in zip(new.optimizers, state_dtypes):
             apply_state_dtype(opt, fmt)
+        if self.offload is None:
+            _replace_adam(new, state_dtypes)
         if self.offload is not None:
             new.offload_adam(OffloadedAdam, state_dtypes, offload=self.offload)
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
@@ -782,6 +786,16 @@ def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+def _replace_adam(optim: OptimizerSet, state_dtypes: list) -> None:
+    """Without offload: each Adam the format or the masters' device needs instead of the user's
+    (:func:`~zeroshard.optim.engine_state_format.adam_class_without_offload`)."""
+    classes = [
+        adam_class_without_offload(opt, fmt, optim.master_device(oi))
+        for oi, (opt, fmt) in enumerate(zip(optim.optimizers, state_dtypes))
+    ]
+    optim.replace_adam(classes, state_dtypes)
+
+
 def clip_master_grads_(
     optimizer: Optimizer,
     max_norm: float,

@@ -8,6 +8,8 @@ because every per-element state tensor it creates has the master shard's shape.
 With ``offload_optimizer=True``, ``torch.optim.Adam``/``AdamW`` are swapped for
 :class:`zeroshard.offload.offload.OffloadedAdam` (a :class:`zeroshard.optim.cpu_adam.CPUAdam`) with the same
 hyperparameters (DeepSpeed's ZeRO-Offload does the same swap); any other optimizer runs as it is on the host copies.
+Without offload, a bf16 or int8 ``optimizer_state_dtype`` swaps them the same way for ``CPUAdam`` (CPU masters) or
+:class:`zeroshard.optim.device_adam.DeviceAdam` (GPU masters): :mod:`zeroshard.optim.engine_state_format`.
 
 Several optimizers (a GAN's generator and discriminator) share one engine: :class:`OptimizerSet` numbers their param
 groups in one sequence (optimizer 0's groups first), so buckets and units, which never mix param groups, never mix
@@ -179,6 +181,19 @@ class OptimizerSet:
             to_cpu_adam(opt, cls, flat_of=flat_of, **extra, **({"state_dtype": f} if f is not None else {}))
             for opt, f in zip(self.optimizers, formats)
         ]
+
+    def replace_adam(self, classes: Sequence[type | None], state_dtypes: Sequence[Any]) -> None:
+        """Without offload: replaces optimizer ``i`` by ``classes[i]`` (a fused Adam over the same groups and
+        hyperparameters, in format ``state_dtypes[i]``: :func:`to_cpu_adam`) where it is not ``None``. The engine's
+        optimizers change as with :meth:`offload_adam`; the strategies point LR schedulers at the new ones."""
+        self.optimizers = [
+            opt if cls is None else to_cpu_adam(opt, cls, state_dtype=fmt)
+            for opt, cls, fmt in zip(self.optimizers, classes, state_dtypes)
+        ]
+
+    def master_device(self, oi: int) -> torch.device | None:
+        """The device of optimizer ``oi``'s master shards (after :meth:`rewire`), or ``None`` if it steps none."""
+        return self._flat[oi][0].master.device if self._flat[oi] else None
 
     def index(self, optimizer: Optimizer) -> int:
         """The position of ``optimizer`` (or of the optimizer a Lightning/Fabric wrapper holds).

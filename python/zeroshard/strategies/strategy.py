@@ -107,8 +107,10 @@ class ZeroStrategy(DDPStrategy):
         optimizer_state_dtype: (keyword) how the Adam moments are kept on each rank's shards: ``torch.float32``
             (default, 8 bytes per parameter), ``torch.bfloat16`` (4) or ``"int8"`` (block-wise 8-bit, 2 + 8/2048;
             :mod:`zeroshard.optim.state_format`). Needs the fused Adam: ``zeroshard.optim.CPUAdam`` from
-            ``configure_optimizers``, or torch's Adam/AdamW with ``offload_optimizer=True``; any other optimizer is
-            refused at setup (:mod:`zeroshard.optim.engine_state_format`). A bad value fails here.
+            ``configure_optimizers``, or torch's Adam/AdamW (stepped by ``OffloadedAdam``, ``CPUAdam`` or, on GPU
+            master shards without offload, ``DeviceAdam``); any other optimizer is refused at setup
+            (:mod:`zeroshard.optim.engine_state_format`). A bad value fails here. Unset with ``stage="auto"``: bf16
+            or int8 when no configuration fits with fp32 moments (said in the log line of the choice).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default by device.
         timeout: collective timeout, a ``timedelta`` or seconds (int/float); a rank that stops answering ends the job
             with an error after it.

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from zeroshard.engine.engine import ZeroEngine
 from zeroshard.meta_init import init_meta_context
+from zeroshard.optim.sharded_optimizer import fused_adam_kind
 from zeroshard.sharding.managed import engine_of
 from zeroshard.strategies.activation_checkpointing import apply_activation_checkpointing
 from zeroshard.strategies.auto_plan import auto_config, check_auto_settings
@@ -52,6 +53,8 @@ class StrategyCore:
         self.owner = owner
         self.plan_options: dict | None = settings.pop("plan_options", None)
         self.auto = settings.get("stage") == "auto"
+        # stage="auto" may choose the state format only when the user did not
+        self.state_dtype_given = settings.get("optimizer_state_dtype") is not None
         self.auto_plan: dict | None = None
         if self.auto:
             check_auto_settings(settings)
@@ -112,6 +115,8 @@ class StrategyCore:
                 activation_checkpointing=self.activation_checkpointing is not None,
                 grad_accum=grad_accum,
                 options=self.plan_options,
+                choose_state_dtype=not self.state_dtype_given
+                and all(fused_adam_kind(opt) is not None for opt in optimizers),
             )
             rank_zero_info(self.auto_plan["message"])
         warn_single_unit(self.owner, module, self.config)

@@ -13,7 +13,8 @@ Usage (FMTS: formats separated by commas, each run in turn with OUT/FMT as its O
                                                the kernel's rule (int8: requantised over the new blocks), bit for bit.
                                                Rank 0 writes OUT/loaded_{world}_{stage}.json with what it checked.
 
-FMT: ``bf16`` (CPUAdam without offload) or ``int8`` (AdamW converted under offload_optimizer=True).
+FMT: ``bf16`` (CPUAdam without offload), ``int8`` (AdamW converted under offload_optimizer=True), ``bf16_dev`` /
+``int8_dev`` (DeviceAdam, the torch-ops step, without offload), ``int8_cpu`` (CPUAdam without offload).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from tiny_lm import SEQ, VOCAB, Block, TinyLM
 import zeroshard
 from zeroshard import CPUAdam
 from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
+from zeroshard.optim.device_adam import DeviceAdam
 from zeroshard.optim.state_format import convert_moments
 
-FORMATS = {"bf16": torch.bfloat16, "int8": "int8"}
+FORMATS = {"bf16": torch.bfloat16, "int8": "int8", "bf16_dev": torch.bfloat16, "int8_dev": "int8", "int8_cpu": "int8"}
 
 
 def make_engine(fmt: str, stage: int, seed: int) -> zeroshard.ZeroEngine:
@@ -40,7 +42,8 @@ def make_engine(fmt: str, stage: int, seed: int) -> zeroshard.ZeroEngine:
     model = TinyLM()
     params = [p for p in model.parameters() if p.requires_grad]
     offload = fmt == "int8"
-    opt = torch.optim.AdamW(params, lr=1e-2) if offload else CPUAdam(params, lr=1e-2)
+    cls = DeviceAdam if fmt.endswith("_dev") else CPUAdam
+    opt = torch.optim.AdamW(params, lr=1e-2) if offload else cls(params, lr=1e-2)
     config = zeroshard.ZeroConfig(
         stage=stage,
         offload_optimizer=offload,

@@ -3,7 +3,7 @@ CPUAdam references.
 
 Usage: ``state_format_runs.py OUT_DIR CASES_JSON``. Each case: ``{"name", "stage", "fmt" ("bf16" | "int8"),
 "offload" (bool), "bucket" (reduce_bucket_size), optional "overlap_step" / "offload_params" (bool),
-"shard_group_size" (hybrid sharding)}``. Every rank
+"shard_group_size" (hybrid sharding), "optimizer" ("adamw" | "cpu_adam" | "device_adam")}``. Every rank
 runs every case (a fresh engine over a fresh TinyLM, ``STEPS`` steps, each rank its own batches); rank 0 also computes
 the references, in process, from the same batches:
 
@@ -30,6 +30,7 @@ from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
 import zeroshard
 from zeroshard import CPUAdam
+from zeroshard.optim.device_adam import DeviceAdam
 
 STEPS = 4
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
@@ -119,8 +120,11 @@ def run_case(out: Path, case: dict) -> None:
     data = batches(world)
     torch.manual_seed(0)
     model = TinyLM()
-    # without offload the engine steps a CPUAdam (whose format comes from the setting); with offload it converts AdamW
-    opt = torch.optim.AdamW(groups(model), lr=1e-2) if case["offload"] else CPUAdam(groups(model), lr=1e-2)
+    # without offload the engine steps a CPUAdam (whose format comes from the setting); with offload it converts AdamW.
+    # "optimizer": "adamw" / "device_adam" gives that one instead (without offload the engine swaps an AdamW for
+    # CPUAdam on these CPU masters; a DeviceAdam is kept and steps them with torch ops)
+    kind = case.get("optimizer", "adamw" if case["offload"] else "cpu_adam")
+    opt = {"adamw": torch.optim.AdamW, "cpu_adam": CPUAdam, "device_adam": DeviceAdam}[kind](groups(model), lr=1e-2)
     config = zeroshard.ZeroConfig(
         stage=stage,
         offload_optimizer=case["offload"],
