@@ -1,5 +1,5 @@
 """CPUAdam(state_dtype="int8", min_8bit_size=...): bitsandbytes' rule that a tensor of fewer than ``min_8bit_size``
-elements (default 4096) keeps fp32 moments (``Optimizer8bit.init_state``, ``bitsandbytes/optim/optimizer.py``).
+elements (default 4096) keeps fp32 moments (``Optimizer2State.init_state``, ``bitsandbytes/optim/optimizer.py``).
 
 References: fp32-state ``CPUAdam`` for the small tensors and int8 ``CPUAdam`` with ``min_8bit_size=0`` for the large,
 each stepped alone on copies: one optimizer holding both formats must give the same bits.

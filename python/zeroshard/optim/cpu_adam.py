@@ -98,10 +98,12 @@ class CPUAdam(torch.optim.Optimizer):
             even on store), or ``"int8"``: block-wise dynamic 8-bit moments (Dettmers et al. 2022, bitsandbytes'
             scheme; see ``zeroshard.ops.adam_step``). The fp32 master weights (the parameters) are kept as they are.
         min_8bit_size: keyword only; with ``state_dtype="int8"``, a parameter of fewer elements keeps fp32 moments
-            (default 4096, bitsandbytes' ``min_8bit_size``: ``Optimizer8bit.init_state`` in
-            ``bitsandbytes/optim/optimizer.py`` keeps 32-bit state for tensors with ``numel() < min_8bit_size``).
-            Norm weights and biases are small and their moments the hardest to quantise (a few large values per
-            block); their fp32 state costs little. ``0`` quantises every parameter. Ignored for other formats.
+            (default 4096, bitsandbytes' ``min_8bit_size``: ``Optimizer2State.init_state`` in
+            ``bitsandbytes/optim/optimizer.py``, bitsandbytes-foundation/bitsandbytes@06029dd, keeps 32-bit state
+            for tensors with ``p.numel() < config["min_8bit_size"]``). Norm weights and biases are small and
+            their moments the hardest to quantise (a few large values per block); their fp32 state costs little.
+            ``0`` quantises every parameter (bitsandbytes never quantises under 4096 elements, whatever the
+            setting). Ignored for other formats.
         fp32_state_params: keyword only; with ``state_dtype="int8"``, the parameters that keep fp32 moments, in
             place of the ``min_8bit_size`` rule (every other parameter keeps int8). The ZeRO engine passes the master
             shards of its flat parameters of small parameters: a shard is not the user's tensor, so the size rule

@@ -1,7 +1,7 @@
 """Which of the ZeRO engine's flat parameters keep fp32 Adam moments under int8 optimizer state.
 
 bitsandbytes keeps 32-bit state for every tensor of fewer than ``min_8bit_size`` elements (4096 by default;
-``Optimizer8bit.init_state`` in ``bitsandbytes/optim/optimizer.py``), and ``CPUAdam(state_dtype="int8")`` follows it
+``Optimizer2State.init_state`` in ``bitsandbytes/optim/optimizer.py``), and ``CPUAdam(state_dtype="int8")`` follows it
 per parameter (:meth:`~zeroshard.optim.cpu_adam.CPUAdam.state_format`). The engine's optimizer steps flat master
 shards instead, one per bucket (stages 1-2) or per unit and group (stage 3), each covering many parameters, so the
 size rule cannot be applied to them as tensors: a shard of large parameters may be small, a flat parameter of many

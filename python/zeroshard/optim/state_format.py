@@ -7,8 +7,9 @@
   ``exp_avg_sq_absmax`` one fp32 scale per block of 2048 elements (2 + 8/2048 bytes).
 
 Under ``"int8"`` a tensor of fewer than :data:`MIN_8BIT_SIZE` (4096) elements keeps fp32 moments, as bitsandbytes
-does (``min_8bit_size=4096``, ``Optimizer8bit.init_state`` in ``bitsandbytes/optim/optimizer.py``): norm weights and
-biases. A state's format is read from its own tensors (:func:`format_of`), so one optimizer may hold both.
+does (``min_8bit_size=4096``; ``Optimizer2State.init_state`` in ``bitsandbytes/optim/optimizer.py``, commit 06029dd):
+norm weights and biases. A state's format is read from its own tensors (:func:`format_of`), so one optimizer may hold
+both.
 """
 
 from __future__ import annotations
