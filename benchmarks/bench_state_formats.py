@@ -3,11 +3,13 @@
 Trains, in one process on the CPU, the demo's byte-level GPT (``examples/gpt.py``, 4 x 128) and a tiny Hugging Face
 Llama built from a config (no hub) on real text (this Python's standard library source, ``examples/data.py``), once per
 optimizer-state format of ``zeroshard.optim.CPUAdam`` (``state_dtype`` = ``torch.float32``, ``torch.bfloat16``,
-``"int8"``), and, where ``torchao`` imports, once with torchao's ``AdamW8bit`` as an outside reference. Every run of a
-model starts from the same initial weights and sees the same batches in the same order, so the curves differ only by
-the optimizer. Reports the final training loss (mean of the last 20 steps) and the validation loss (20 fixed held-out
-batches), each beside fp32's, and whether it is within 1% of fp32 (the goal; never asserted). Writes JSON with the
-command, machine and versions, and with ``--plot`` a PNG of the loss curves.
+``"int8"``: tensors under ``--min_8bit_size`` elements, 4096 by default as in bitsandbytes, keep fp32 moments;
+``int8_all``: every tensor int8, ``min_8bit_size=0``), and, where ``torchao`` imports, once with torchao's
+``AdamW8bit`` as an outside reference. Every run of a model starts from the same initial weights and sees the same
+batches in the same order, so the curves differ only by the optimizer. Reports the final training loss (mean of the
+last 20 steps) and the validation loss (20 fixed held-out batches), each beside fp32's, and whether it is within 1% of
+fp32 (the goal; never asserted). Writes JSON with the command, machine and versions, and with ``--plot`` a PNG of the
+loss curves.
 
     python benchmarks/bench_state_formats.py                      # 300 steps, both models, all formats
     python benchmarks/bench_state_formats.py --steps 600 --plot --json benchmarks/results/state_formats_vm.json
@@ -37,7 +39,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from rank_launch import machine, versions  # noqa: E402
 from zeroshard import CPUAdam  # noqa: E402
 
-FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
+FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8", "int8_all": "int8"}
 TORCHAO = "torchao_adamw8bit"
 GOAL = 0.01  # within 1% of fp32's loss
 
@@ -67,9 +69,11 @@ def logits_of(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def make_optimizer(kind: str, model: torch.nn.Module, lr: float, weight_decay: float):
-    """AdamW with decay on matrices only (the usual split), as CPUAdam in ``kind``'s state format or torchao's
-    AdamW8bit (its default blocks of 256, fp32 master weights)."""
+def make_optimizer(kind: str, model: torch.nn.Module, lr: float, weight_decay: float, min_8bit_size: int = 4096):
+    """AdamW with decay on matrices only (the usual split), as CPUAdam in ``kind``'s state format (``int8``: fp32
+    moments for tensors under ``min_8bit_size`` elements; ``int8_all``: none) or torchao's AdamW8bit (its default
+    blocks of 256, fp32 master weights; it too keeps fp32 state for tensors under 4096 elements, or not a multiple of
+    its block: ``_new_buffer`` in ``torchao/optim/adam.py``)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -77,7 +81,8 @@ def make_optimizer(kind: str, model: torch.nn.Module, lr: float, weight_decay: f
         from torchao.optim import AdamW8bit
 
         return AdamW8bit(groups, lr=torch.tensor(lr), betas=(0.9, 0.95))  # a tensor lr: it is set each step
-    return CPUAdam(groups, lr=lr, betas=(0.9, 0.95), state_dtype=FORMATS[kind])
+    small = 0 if kind == "int8_all" else min_8bit_size
+    return CPUAdam(groups, lr=lr, betas=(0.9, 0.95), state_dtype=FORMATS[kind], min_8bit_size=small)
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -100,7 +105,7 @@ def train(model_name: str, kind: str, batches, val, args: argparse.Namespace) ->
     """One run: same seed (same initial weights) and same batches for every ``kind``."""
     torch.manual_seed(args.seed)
     model = build_model(model_name, args.block_size)
-    opt = make_optimizer(kind, model, args.lr, args.weight_decay)
+    opt = make_optimizer(kind, model, args.lr, args.weight_decay, args.min_8bit_size)
     curve, vals, step_s = [], [], []
     for step, (x, y) in enumerate(batches):
         for g in opt.param_groups:
@@ -191,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--models", default="gpt,llama", help="comma list of gpt, llama")
-    p.add_argument("--formats", default="fp32,bf16,int8", help="comma list of fp32, bf16, int8")
+    p.add_argument("--formats", default="fp32,bf16,int8", help="comma list of fp32, bf16, int8, int8_all")
+    p.add_argument(
+        "--min_8bit_size",
+        type=int,
+        default=4096,
+        help="int8: tensors with fewer elements keep fp32 moments (bitsandbytes' default 4096; int8_all uses 0)",
+    )
     p.add_argument(
         "--torchao",
         choices=["auto", "off", "only"],

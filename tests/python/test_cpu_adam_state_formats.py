@@ -130,7 +130,7 @@ def test_reference_map_equals_the_kernels():
 def test_int8_state_equals_torch_reference_over_20_steps(n):
     gen = torch.Generator().manual_seed(n)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
-    opt = CPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8")
+    opt = CPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8", min_8bit_size=0)
     smap, umap = ref_dynamic_map(True), ref_dynamic_map(False)
     rp = p.detach().double().clone()
     rmc, rvc = torch.full((n,), 127, dtype=torch.long), torch.zeros(n, dtype=torch.long)  # code of 0.0
@@ -185,7 +185,7 @@ def _trained(state_dtype, steps=3, n=3000, seed=0):
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the same initial weights for every call
     model = torch.nn.Sequential(torch.nn.Linear(n // 100, 100), torch.nn.Linear(100, 3))
-    opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.01, state_dtype=state_dtype)
+    opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.01, state_dtype=state_dtype, min_8bit_size=0)
     for _ in range(steps):
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen)
@@ -205,7 +205,7 @@ def test_state_dict_round_trips_as_stored_and_resumes_bitwise(state_dtype):
         assert st["exp_avg"].dtype == torch.bfloat16
     clone = torch.nn.Sequential(torch.nn.Linear(30, 100), torch.nn.Linear(100, 3))
     clone.load_state_dict(model.state_dict())
-    opt2 = CPUAdam(clone.parameters(), lr=1e-2, weight_decay=0.01, state_dtype=state_dtype)
+    opt2 = CPUAdam(clone.parameters(), lr=1e-2, weight_decay=0.01, state_dtype=state_dtype, min_8bit_size=0)
     opt2.load_state_dict(sd)
     for k, v in opt2.state_dict()["state"][0].items():
         assert torch.equal(v, st[k]), k
@@ -225,7 +225,7 @@ def test_state_dict_round_trips_as_stored_and_resumes_bitwise(state_dtype):
 def test_load_converts_between_formats_as_documented():
     model, opt = _trained(torch.float32)
     sd = opt.state_dict()
-    opt8 = CPUAdam(model.parameters(), state_dtype="int8")
+    opt8 = CPUAdam(model.parameters(), state_dtype="int8", min_8bit_size=0)
     opt8.load_state_dict(sd)
     p0 = next(iter(model.parameters()))
     st8 = opt8.state[p0]
@@ -291,7 +291,7 @@ def test_trajectory_stays_close_to_fp32_adamw(state_dtype):
         return w.detach(), ((x @ w - y) ** 2).mean().item()
 
     w_ref, loss_ref = train(lambda ps: torch.optim.AdamW(ps, lr=2e-2, weight_decay=0.0))
-    w_q, loss_q = train(lambda ps: CPUAdam(ps, lr=2e-2, weight_decay=0.0, state_dtype=state_dtype))
+    w_q, loss_q = train(lambda ps: CPUAdam(ps, lr=2e-2, weight_decay=0.0, state_dtype=state_dtype, min_8bit_size=0))
     start = (y**2).mean().item()
     assert loss_ref < 0.01 * start
     assert loss_q < loss_ref * 1.5 + 1e-3 * start, (loss_q, loss_ref)
@@ -307,7 +307,7 @@ def test_int8_second_moment_never_reads_back_as_zero():
     steps = []
     for fmt in (torch.float32, "int8"):
         p = torch.nn.Parameter(torch.zeros(n))
-        opt = CPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, state_dtype=fmt)
+        opt = CPUAdam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, state_dtype=fmt, min_8bit_size=0)
         g = torch.full((n,), 1e-4)
         g[0] = 1.0
         opt.step(grads={p: g})

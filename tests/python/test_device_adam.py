@@ -111,7 +111,7 @@ def test_int8_equals_independent_reference_over_20_steps(n):
     """The reference of test_cpu_adam_state_formats (own map, exact fp32 arithmetic in float64, AdamW)."""
     gen = torch.Generator().manual_seed(n)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
-    opt = DeviceAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8")
+    opt = DeviceAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8", min_8bit_size=0)
     smap, umap = ref_dynamic_map(True), ref_dynamic_map(False)
     rp = p.detach().double().clone()
     rmc, rvc = torch.full((n,), 127, dtype=torch.long), torch.zeros(n, dtype=torch.long)
@@ -295,3 +295,13 @@ def test_cuda_step_equals_the_kernel_bit_for_bit(fmt, hyper):
 @pytest.mark.gpu
 def test_cuda_compiled_int8_step_has_the_same_bits():
     _compiled_equals_eager("int8", "cuda")
+
+
+def test_new_state_follows_the_min_8bit_size_rule_like_cpu_adam():
+    """Fresh state under int8: fp32 moments below ``min_8bit_size`` (bitsandbytes' rule), as CPUAdam keeps them."""
+    small, large = torch.nn.Parameter(torch.randn(4095)), torch.nn.Parameter(torch.randn(4096))
+    opt = DeviceAdam([small, large], lr=1e-2, state_dtype="int8")
+    small.grad, large.grad = torch.ones(4095), torch.ones(4096)
+    opt.step()
+    assert opt.state[small]["exp_avg"].dtype == torch.float32 and "exp_avg_absmax" not in opt.state[small]
+    assert opt.state[large]["exp_avg"].dtype == torch.uint8

@@ -8,8 +8,12 @@ Multi-rank runs (2 ranks on gloo, one launch for every case: ``scripts/state_for
 * int8 moments are quantised in blocks of 2048 elements of the tensor they belong to. The engine's tensor is the flat
   shard, whose blocks start at the shard's start and span parameter boundaries and padding, so its results depend on
   the shard boundaries (the world size, the bucket size, the stage-3 units). It equals ``CPUAdam(state_dtype="int8")``
-  stepping tensors cut like the engine's shards bit for bit, and differs from per-parameter int8 state: here by about
-  2.5e-3 in the weights after 4 steps at lr 1e-2, which the test bounds loosely (1e-2) and requires to be non-zero.
+  stepping tensors cut like the engine's shards bit for bit, and differs from per-parameter int8 state where blocks
+  are cut at other places (before the small parameters were set apart: about 2.5e-3 in the weights after 4 steps at
+  lr 1e-2), which the test bounds loosely (1e-2).
+* Under int8 the parameters below ``min_8bit_size`` (4096: the norm weights and biases, the 2048-element embedding)
+  go into flat parameters of their own whose master shards keep fp32 moments, as ``CPUAdam`` keeps theirs
+  (bitsandbytes' rule, :mod:`zeroshard.optim.small_state`); the reference steps those shards with fp32 moments.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import run_ranks
+from state_facts import assert_state_facts
 
 from zeroshard import CPUAdam, ZeroConfig
 
@@ -62,18 +67,15 @@ def test_engine_matches_single_process_cpu_adam(results, case):
     r = results[case["name"]]
     facts = r["facts"]
     assert facts["optimizer"] == ("OffloadedAdam" if case["offload"] else "CPUAdam")
-    numel = sum(facts["shard_numels"])
+    assert_state_facts(case["fmt"], facts)
     if case["fmt"] == "bf16":
-        assert facts["moment_dtype"] == "torch.bfloat16" and not facts["absmax"]
-        assert facts["optimizer_state_bytes"] == 4 * numel  # the fp32 format would hold 8
         torch.testing.assert_close(r["engine"], r["per_param"], rtol=0, atol=0)
     else:
-        assert facts["moment_dtype"] == "torch.uint8" and facts["absmax"]
-        blocks = sum(-(-n // 2048) for n in facts["shard_numels"])
-        assert facts["optimizer_state_bytes"] == 2 * numel + 8 * blocks
         torch.testing.assert_close(r["engine"], r["same_shards"], rtol=0, atol=0)
         diff = _max_diff(r["engine"], r["per_param"])
-        assert 0 < diff < 1e-2, diff  # blocks cut at other places: close, never equal
+        # close to per-parameter int8 state; equal where the shards' blocks fall on the parameters' own blocks (the
+        # large TinyLM matrices have 4096 elements: set apart from the small ones they often do)
+        assert diff < 1e-2, diff
 
 
 def test_bad_optimizer_state_dtype_fails_at_construction():

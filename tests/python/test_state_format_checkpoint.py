@@ -2,6 +2,8 @@
 
 * Saved as kept: bf16 moments as BF16, int8 moments as uint8 codes with one fp32 absmax per block of 2048 elements of
   the shard, and the two dynamic maps (``quant.map.*``) so the file can be read without the kernel. No fp32 copy.
+  Under int8 the flat parameters of small parameters (under ``min_8bit_size`` = 4096 elements) keep fp32 moments:
+  saved as F32, without absmax, beside the others' codes; resume and reshard hold for the mixed state too.
 * Same world size and layout: every rank's state loads back bit for bit, and training resumes bit for bit.
 * Reshard (2 -> 3 ranks, or stage 2 -> 3 at 2 ranks: other shard boundaries): int8 blocks would straddle the new
   shard boundaries, so the saved codes are turned into their exact fp32 values and requantised over the new shard's
@@ -25,6 +27,10 @@ from zeroshard.checkpoint.checkpoint_dir import resolve
 
 SCRIPT = Path(__file__).parent / "scripts" / "state_format_ckpt.py"
 FMTS = ("int8", "bf16")
+# TinyLM's trainable parameters under 4096 elements (its matrices up/down have 4096: int8)
+SMALL = {"embed.weight", "norm.weight", "norm.bias"} | {
+    f"blocks.{b}.{n}" for b in (0, 1) for n in ("norm.weight", "norm.bias", "up.bias", "down.bias")
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +55,23 @@ def test_state_is_saved_as_kept(saved, fmt):
             keys = set(f.keys())
             moments = [k for k in keys if k.endswith((".optim.exp_avg", ".optim.exp_avg_sq"))]
             assert moments
+            kept = set()
             for k in moments:
                 i = int(k.split(".")[1])
                 shard = index["flat_params"][i]["shard_numel"]
                 sl = f.get_slice(k)
-                assert sl.get_dtype() == ("U8" if fmt == "int8" else "BF16") and sl.get_shape() == [shard], k
+                # a flat parameter of TinyLM's small parameters only (norms, biases, the 2048-element embedding)
+                small = all(n in SMALL for n in index["flat_params"][i]["names"])
+                want = "BF16" if fmt == "bf16" else "F32" if small else "U8"
+                assert sl.get_dtype() == want and sl.get_shape() == [shard], k
+                kept.add(want)
                 absmax = f"{k}_absmax"
-                if fmt == "int8":
+                if want == "U8":
                     a = f.get_slice(absmax)
                     assert a.get_dtype() == "F32" and a.get_shape() == [-(-shard // 2048)], absmax
                 else:
                     assert absmax not in keys
+            assert kept == ({"F32", "U8"} if fmt == "int8" else {"BF16"})
             assert ({"quant.map.exp_avg", "quant.map.exp_avg_sq"} <= keys) == (fmt == "int8")
         assert index["optimizer"]["quant_block"] == 2048
 

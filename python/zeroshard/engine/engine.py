@@ -45,6 +45,7 @@ from zeroshard.optim.optim_state import (
     load_consolidated_state_dict,
 )
 from zeroshard.optim.sharded_optimizer import OptimizerSet
+from zeroshard.optim.small_state import apart_rule, fp32_state_masters, min_8bit_size_of
 from zeroshard.pretrained import apply_recorded_pretrained
 from zeroshard.sharding import gather_check
 from zeroshard.sharding.buckets import BucketPlan, plan_buckets
@@ -156,6 +157,8 @@ class ZeroEngine:
             apply_state_dtype(opt, fmt)  # a CPUAdam; with offload, OffloadedAdam below is built in ``fmt``
         if not config.offload_optimizer:
             _replace_adam(self.optim, self.state_dtypes)  # CPUAdam on CPU masters, DeviceAdam on GPU masters
+        # int8: the flat parameters of small parameters keep fp32 moments (zeroshard.optim.small_state)
+        fp32_masters = self._fp32_state_masters(self.flat_params, groups)
         if config.offload_optimizer:
             device = self._device()
             self.offload = OptimizerOffload(
@@ -166,7 +169,9 @@ class ZeroEngine:
                 overlap_step=config.overlap_step,
                 threads=self.cpu_threads,
             )
-            self.optim.offload_adam(OffloadedAdam, self.state_dtypes, offload=self.offload)
+            self.optim.offload_adam(
+                OffloadedAdam, self.state_dtypes, offload=self.offload, fp32_state_params=fp32_masters
+            )
         # Adam/AdamW step through the offload pipeline; any other optimizer steps the host masters as it is
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.reducer = GradReducer(
@@ -201,6 +206,25 @@ class ZeroEngine:
         """The moment format of the optimizer that owns global param group ``group_index``."""
         return self.state_dtypes[self.optim.group_optimizer[group_index]]
 
+    def _plan_state_dtype(self, plan: BucketPlan):
+        """The moment format of a planned flat parameter: fp32 for one of small parameters set apart under int8."""
+        return torch.float32 if plan.apart else self._group_state_dtype(plan.group_index)
+
+    def _int8_thresholds(self) -> list[int | None]:
+        """Per global param group: its optimizer's ``min_8bit_size`` where its moments are int8, else None."""
+        opts, fmts = self.optim.optimizers, self.state_dtypes
+        return [min_8bit_size_of(opts[oi]) if fmts[oi] == "int8" else None for oi in self.optim.group_optimizer]
+
+    def _fp32_state_masters(self, flat_params: list[FlatParam], group_of_flat: list[int]) -> list[torch.Tensor]:
+        """Under int8: tells each fused Adam which master shards keep fp32 moments (those of flat parameters of small
+        parameters, :mod:`zeroshard.optim.small_state`) and returns them, for ``OffloadedAdam``; else ``[]``."""
+        thresholds = self._int8_thresholds()
+        masters = fp32_state_masters(flat_params, [thresholds[g] for g in group_of_flat])
+        for opt, fmt in zip(self.optim.optimizers, self.state_dtypes):
+            if fmt == "int8" and hasattr(opt, "keep_fp32_state"):
+                opt.keep_fp32_state(masters)
+        return masters
+
     def _flat_param(self, plan: BucketPlan, *, keep_full: bool, trainable: bool = True) -> FlatParam:
         offload = self.config.offload_optimizer
         device = plan.params[0].device
@@ -225,8 +249,9 @@ class ZeroEngine:
         if has_meta(self.module):
             materialize_module_(self.module, self._device(), param_init_fn=self.config.param_init_fn)
             self.original_groups = [[replacement(p) for p in group] for group in self.original_groups]
-        plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size)
-        self._check_offload_budget([(plan.params, True, self._group_state_dtype(plan.group_index)) for plan in plans])
+        apart = apart_rule(self._int8_thresholds())
+        plans, skipped = plan_buckets(self.module, self.original_groups, self.config.reduce_bucket_size, apart)
+        self._check_offload_budget([(plan.params, True, self._plan_state_dtype(plan)) for plan in plans])
         if skipped:
             warnings.warn(
                 f"{len(skipped)} trainable parameters are in no optimizer param group and stay unsharded with local "
@@ -251,9 +276,10 @@ class ZeroEngine:
         same seed (see :mod:`zeroshard.meta_init`); each unit is flattened and sharded as soon as its last module is
         done, so no more than the root unit and one other unit are whole at a time.
         """
-        plans = plan_units(self.module, self.config.wrap_policy, self.original_groups)
+        apart = apart_rule(self._int8_thresholds())
+        plans = plan_units(self.module, self.config.wrap_policy, self.original_groups, apart)
         self._check_offload_budget(
-            [(b.params, True, self._group_state_dtype(b.group_index)) for plan in plans for b in plan.buckets]
+            [(b.params, True, self._plan_state_dtype(b)) for plan in plans for b in plan.buckets]
             + [(plan.frozen.params, False, torch.float32) for plan in plans if plan.frozen]
         )
         device = self._device()
@@ -460,8 +486,10 @@ class ZeroEngine:
             apply_state_dtype(opt, fmt)
         if self.offload is None:
             _replace_adam(new, state_dtypes)
+        # flat parameters built for another optimizer: those of small parameters only keep fp32 moments under int8
+        fp32_masters = self._fp32_state_masters(self.flat_params, group_of_flat)
         if self.offload is not None:
-            new.offload_adam(OffloadedAdam, state_dtypes, offload=self.offload)
+            new.offload_adam(OffloadedAdam, state_dtypes, offload=self.offload, fp32_state_params=fp32_masters)
         self.pipelined = all(isinstance(opt, OffloadedAdam) for opt in self.optimizers)
         self.module_grads.hook_optimizers()
         self.unused_params.hook_optimizers()

@@ -193,10 +193,17 @@ class OptimizerOffload:
         return seg
 
     def step(self, segments: list) -> None:
-        """Steps ``segments`` (from :meth:`segment`, all of one kind): fp32 / bf16 moments through
-        ``_C.HostAdamPipeline``, int8 through :class:`~zeroshard.offload.quantized_step.QuantizedHostStep`."""
-        if segments and isinstance(segments[0], QuantSegment):
-            self.quantized.step(segments)
+        """Steps ``segments`` (from :meth:`segment`): those with fp32 / bf16 moments through
+        ``_C.HostAdamPipeline``, then those with int8 moments through
+        :class:`~zeroshard.offload.quantized_step.QuantizedHostStep` (one optimizer holds both under int8: flat
+        parameters of small parameters keep fp32 moments, ``CPUAdam.min_8bit_size``). Each segment is stepped once,
+        whatever the split; both walks order their uploads on the same ``h2d`` queue."""
+        quantized = [s for s in segments if isinstance(s, QuantSegment)]
+        if quantized:
+            plain = [s for s in segments if not isinstance(s, QuantSegment)]
+            if plain:
+                self.pipeline.step(plain, False)
+            self.quantized.step(quantized)
         else:
             self.pipeline.step(segments, False)
 
@@ -222,7 +229,9 @@ class OffloadedAdam(CPUAdam):
     tensors) is created when the optimizer is built, so the host memory is taken, and checked, before training
     starts. With fp32 state ``state_dict()`` loads into ``torch.optim.AdamW`` and back. fp32 and bf16 moments are
     stepped by ``_C.HostAdamPipeline``; int8 moments by :class:`~zeroshard.offload.quantized_step.QuantizedHostStep`
-    (the same kernel through ``zeroshard.ops.adam_step``, chunked on block boundaries).
+    (the same kernel through ``zeroshard.ops.adam_step``, chunked on block boundaries). Under int8 the masters in
+    ``fp32_state_params`` (the engine's flat parameters of small parameters) keep fp32 moments, stepped by the
+    pipeline in the same :meth:`step`.
 
     Args:
         param_groups: groups over the master shards (as ``CPUAdam``).
@@ -253,12 +262,13 @@ class OffloadedAdam(CPUAdam):
 
     def _new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """As ``CPUAdam``'s, with the moments in counted exact-size host buffers (1-D, like the master shards), in
-        ``state_dtype``: fp32 or bf16 moments; int8: uint8 codes and fp32 absmax of ``ceil(numel / 2048)``."""
+        ``p``'s :meth:`~CPUAdam.state_format`: fp32 or bf16 moments; int8: uint8 codes and fp32 absmax of
+        ``ceil(numel / 2048)``."""
 
         def host_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
             return _C.empty_host(math.prod(shape), dtype, False).zero_()
 
-        return {"step": 0, **new_moments((p.numel(),), self.state_dtype, zeros=host_zeros)}
+        return {"step": 0, **new_moments((p.numel(),), self.state_format(p), zeros=host_zeros)}
 
     def gradients(self) -> list[torch.Tensor]:
         """The host gradient shards of this optimizer's masters (waits for their copies): what clipping and loss

@@ -14,6 +14,8 @@ import torch.optim.optimizer as _torch_optimizer
 from zeroshard import _C
 from zeroshard.optim.state_format import (
     ABSMAX_KEYS,
+    MIN_8BIT_SIZE,
+    check_min_8bit_size,
     check_state_dtype,
     convert_moments,
     format_of,
@@ -95,27 +97,40 @@ class CPUAdam(torch.optim.Optimizer):
             ``torch.float32`` (default, torch's format), ``torch.bfloat16`` (fp32 math, moments rounded to nearest
             even on store), or ``"int8"``: block-wise dynamic 8-bit moments (Dettmers et al. 2022, bitsandbytes'
             scheme; see ``zeroshard.ops.adam_step``). The fp32 master weights (the parameters) are kept as they are.
+        min_8bit_size: keyword only; with ``state_dtype="int8"``, a parameter of fewer elements keeps fp32 moments
+            (default 4096, bitsandbytes' ``min_8bit_size``: ``Optimizer2State.init_state`` in
+            ``bitsandbytes/optim/optimizer.py``, bitsandbytes-foundation/bitsandbytes@06029dd, keeps 32-bit state
+            for tensors with ``p.numel() < config["min_8bit_size"]``). Norm weights and biases are small and
+            their moments the hardest to quantise (a few large values per block); their fp32 state costs little.
+            ``0`` quantises every parameter (bitsandbytes never quantises under 4096 elements, whatever the
+            setting). Ignored for other formats.
+        fp32_state_params: keyword only; with ``state_dtype="int8"``, the parameters that keep fp32 moments, in
+            place of the ``min_8bit_size`` rule (every other parameter keeps int8). The ZeRO engine passes the master
+            shards of its flat parameters of small parameters: a shard is not the user's tensor, so the size rule
+            does not apply to it (:meth:`keep_fp32_state`). Default ``None``: the size rule.
 
     Gradients: ``p.grad`` (the parameter's dtype, as torch requires), or bf16 / fp16 / fp32 gradients passed to
     :meth:`step` as ``grads={param: grad}``: the kernel upcasts them while loading, with no separate conversion pass
     (``zeroshard.ops.adam_step``).
 
-    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype`` (for
-    fp32 and bf16 parameters alike). With the default fp32 format these are the keys and layout of
+    State: per parameter ``step`` (0-dim float32 tensor), ``exp_avg`` and ``exp_avg_sq`` in the parameter's format,
+    :meth:`state_format` (``state_dtype``, or fp32 for a small parameter under int8; for fp32 and bf16 parameters
+    alike). With the default fp32 format these are the keys and layout of
     ``torch.optim.Adam``/``AdamW``, so ``state_dict()`` loads into either and theirs load into this (a torch group's
     ``decoupled_weight_decay`` sets ``adamw_mode``). bf16 format: the same keys, bf16 tensors. int8 format:
     ``exp_avg`` / ``exp_avg_sq`` are uint8 codes shaped like the parameter, plus ``exp_avg_absmax`` /
     ``exp_avg_sq_absmax``, fp32 of ``ceil(numel / 2048)`` elements; ``zeroshard.optim.state_format.moments_fp32``
     turns either into fp32 moments. ``state_dict()`` holds the state as it is kept (no fp32 copy).
-    ``load_state_dict`` takes any of the three formats and converts to ``state_dtype``: same format as is;
+    ``load_state_dict`` takes any of the three formats and converts each parameter's moments to its
+    :meth:`state_format`: same format as is;
     otherwise through exact fp32 values, then bf16 round to nearest even or the kernel's int8 quantisation.
 
     Raises:
-        ValueError: in ``__init__`` for an out-of-range hyperparameter (naming the value) or an unsupported
-            ``state_dtype`` (naming the accepted ones). In ``step`` for a bad
-            group hyperparameter, ``amsgrad``/``maximize`` set by a loaded torch state, or a parameter / gradient /
-            state tensor that is not on the CPU, sparse, non-contiguous, of a wrong dtype or size (naming the
-            parameter's group and index and the fix). All checks run before any parameter or state is modified.
+        ValueError: in ``__init__`` for an out-of-range hyperparameter (naming the value), an unsupported
+            ``state_dtype`` (naming the accepted ones), or a ``min_8bit_size`` that is not an int >= 0. In ``step``
+            for a bad group hyperparameter, ``amsgrad``/``maximize`` set by a loaded torch state, or a parameter /
+            gradient / state tensor that is not on the CPU, sparse, non-contiguous, of a wrong dtype or size (naming
+            the parameter's group and index and the fix). All checks run before any parameter or state is modified.
     """
 
     def __init__(
@@ -129,9 +144,16 @@ class CPUAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         bias_correction: bool = True,
         state_dtype: torch.dtype | str = torch.float32,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        fp32_state_params: Iterable[torch.Tensor] | None = None,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
         self.state_dtype = check_state_dtype(state_dtype)
+        self.min_8bit_size = check_min_8bit_size(min_8bit_size)
+        # explicit fp32-state tensors (by identity), or None: the size rule
+        self._fp32_state: dict[int, torch.Tensor] | None = None
+        if fp32_state_params is not None:
+            self._fp32_state = {id(p): p for p in fp32_state_params}
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -161,9 +183,36 @@ class CPUAdam(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         self._plans = {}
 
+    def keep_fp32_state(self, params: Iterable[torch.Tensor]) -> None:
+        """Under ``state_dtype="int8"``, exactly ``params`` keep fp32 moments from now on, in place of the
+        ``min_8bit_size`` rule (as ``fp32_state_params`` in ``__init__``); for an optimizer that holds no state yet.
+        The ZeRO engine calls it with the master shards of the flat parameters it built from small parameters.
+
+        Raises:
+            RuntimeError: the optimizer already holds state.
+        """
+        if self.state:
+            raise RuntimeError(
+                f"CPUAdam.keep_fp32_state: the optimizer already holds state for {len(self.state)} parameters; choose "
+                "the fp32-state parameters before the first step"
+            )
+        self._fp32_state = {id(p): p for p in params}
+        self._plans = {}
+
+    def state_format(self, p: torch.Tensor) -> torch.dtype | str:
+        """The format ``p``'s moments are kept in: ``state_dtype``, except under ``"int8"`` fp32 for a parameter in
+        ``fp32_state_params`` (when given) or else of fewer than ``min_8bit_size`` elements (bitsandbytes' rule)."""
+        if self.state_dtype != "int8":
+            return self.state_dtype
+        fp32 = self.__dict__.get("_fp32_state")
+        small = id(p) in fp32 if fp32 is not None else p.numel() < self.__dict__.get("min_8bit_size", 0)
+        return torch.float32 if small else "int8"
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("state_dtype", torch.float32)
+        self.__dict__.setdefault("min_8bit_size", 0)  # pickled before the rule: every parameter int8, as then
+        self.__dict__.setdefault("_fp32_state", None)
         for group in self.param_groups:
             # Groups loaded from torch.optim.Adam/AdamW carry decoupled_weight_decay instead of adamw_mode.
             group.setdefault("adamw_mode", group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
@@ -204,11 +253,11 @@ class CPUAdam(torch.optim.Optimizer):
             moments[i] = {k: st[k] for k in keys}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
-        fmt = self.state_dtype
         for i, p in zip(saved_ids, params):
             if i not in moments or p not in self.state:
                 continue
             saved = moments[i]
+            fmt = self.state_format(p)
             if fmt == torch.float32 and p.dtype == torch.float32 and format_of(saved) == torch.float32:
                 continue  # torch's own load: nothing to convert
             st = self.state[p]
@@ -254,7 +303,7 @@ class CPUAdam(torch.optim.Optimizer):
                 gl = [grads.get(p, p.grad) for p in params]
             plan = self._plans.get(gi)
             if plan is None or not plan.current(params, state, gl, same_state):
-                plan = _GroupPlan(gi, params, state, gl, self._new_state, self.state_dtype)
+                plan = _GroupPlan(gi, params, state, gl, self._new_state, self.state_format)
                 self._plans[gi] = plan
             ready = plan.ready_grads(gl)
             beta1, beta2 = group["betas"]
@@ -269,9 +318,9 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """Fresh state of ``p``: ``step`` (a plain number here) and zero moments shaped like ``p`` in
-        ``state_dtype`` (also for a bf16 ``p``), on the CPU; int8 adds the zero absmax tensors."""
-        return {"step": 0, **new_moments(p.shape, self.state_dtype)}
+        """Fresh state of ``p``: ``step`` (a plain number here) and zero moments shaped like ``p`` in its
+        :meth:`state_format` (also for a bf16 ``p``), on the CPU; int8 adds the zero absmax tensors."""
+        return {"step": 0, **new_moments(p.shape, self.state_format(p))}
 
 
 class _GroupPlan:
@@ -295,9 +344,8 @@ class _GroupPlan:
     )  # fmt: skip
 
     def __init__(
-        self, gi: int, params: list, state: dict, grads: list, new_state: Callable, state_dtype: Any = torch.float32
+        self, gi: int, params: list, state: dict, grads: list, new_state: Callable, state_format: Callable
     ) -> None:
-        self.int8 = state_dtype == "int8"
         self.params = list(params)
         self.states = [state.get(p) for p in params]
         self.ready: list[int] = []  # indices of parameters the core steps (they have, or are about to get, state)
@@ -315,28 +363,36 @@ class _GroupPlan:
             self.ready.append(i)
         self.stepped = [self.params[i] for i in self.ready]
         self.stepped_states = [self.states[i] for i in self.ready]
-        for i, p, st in zip(self.ready, self.stepped, self.stepped_states):
-            _check_state(gi, i, p, st, state_dtype)
+        formats = [state_format(p) for p in self.stepped]
+        for i, p, st, fmt in zip(self.ready, self.stepped, self.stepped_states, formats):
+            _check_state(gi, i, p, st, fmt)
         sts = self.stepped_states
+        # the stepped tensors whose moments are int8 (others fp32 / bf16: no absmax; the core takes None there)
+        self.int8 = [j for j, fmt in enumerate(formats) if fmt == "int8"]
+
+        def absmax(key: str) -> list:
+            return [st[key].detach() if f == "int8" else None for st, f in zip(sts, formats)]
+
         self.cpp = _C.AdamGroup(
             [p.detach() for p in self.stepped],
             [st["exp_avg"].detach() for st in sts],
             [st["exp_avg_sq"].detach() for st in sts],
             "CPUAdam",
             gi,
-            [st["exp_avg_absmax"].detach() for st in sts] if self.int8 else None,
-            [st["exp_avg_sq_absmax"].detach() for st in sts] if self.int8 else None,
+            absmax("exp_avg_absmax") if self.int8 else None,
+            absmax("exp_avg_sq_absmax") if self.int8 else None,
         )
         self.ptrs = self.pointers()
 
     def pointers(self) -> list[int]:
-        """Data pointers of every stepped parameter, then of their ``exp_avg``, then of their ``exp_avg_sq`` (int8:
-        then of both absmax tensors), as the group's objects hold them now (KeyError / TypeError / RuntimeError if
-        a state entry is gone or no tensor)."""
+        """Data pointers of every stepped parameter, then of their ``exp_avg``, then of their ``exp_avg_sq`` (then of
+        both absmax tensors of those kept in int8), as the group's objects hold them now (KeyError / TypeError /
+        RuntimeError if a state entry is gone or no tensor)."""
         sts = self.stepped_states
         tensors = chain(self.stepped, map(_EXP_AVG, sts), map(_EXP_AVG_SQ, sts))
         if self.int8:
-            tensors = chain(tensors, map(_M_ABSMAX, sts), map(_V_ABSMAX, sts))
+            q = [sts[j] for j in self.int8]
+            tensors = chain(tensors, map(_M_ABSMAX, q), map(_V_ABSMAX, q))
         return list(map(_data_ptr, tensors))
 
     def current(self, params: list, state: dict, grads: list, same_state: bool = False) -> bool:
@@ -412,7 +468,8 @@ _FIX = {torch.float32: "t.float()", torch.bfloat16: "t.bfloat16()", "int8": "zer
 
 
 def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any], state_dtype: Any = torch.float32) -> None:
-    """The state of param ``i`` of group ``gi`` holds ``step`` and moments of ``p``'s size in ``state_dtype`` (int8:
+    """The state of param ``i`` of group ``gi`` holds ``step`` and moments of ``p``'s size in ``state_dtype``, the
+    parameter's :meth:`CPUAdam.state_format` (int8:
     with both absmax tensors; the core checks the rest: their sizes, device, layout, contiguity, aliasing). Raises
     ValueError naming the parameter and the fix."""
     what = f"CPUAdam param {i} of group {gi} (shape {list(p.shape)}, {p.dtype})"
@@ -424,8 +481,9 @@ def _check_state(gi: int, i: int, p: torch.Tensor, st: dict[str, Any], state_dty
     for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
         if t.dtype != want:
             raise ValueError(
-                f"state['{key}'] of {what} is {t.dtype}; this CPUAdam (state_dtype={state_dtype!r}) keeps {want} "
-                f"moments (also for bf16 parameters): assign {_FIX[state_dtype]}, or load_state_dict to convert"
+                f"state['{key}'] of {what} is {t.dtype}; this CPUAdam keeps {want} moments for it (format "
+                f"{state_dtype!r}, also for bf16 parameters; under int8, fp32 for parameters below min_8bit_size): "
+                f"assign {_FIX[state_dtype]}, or load_state_dict to convert"
             )
         if t.numel() != p.numel():
             raise ValueError(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks
-from zeroshard.optim.state_format import ABSMAX_KEYS, new_moments
+from zeroshard.optim.state_format import ABSMAX_KEYS, MIN_8BIT_SIZE, new_moments
 from zeroshard.optim.torch_state_step import adam_step_torch, check_step_tensors
 
 __all__ = ["DeviceAdam"]
@@ -31,7 +31,8 @@ class DeviceAdam(CPUAdam):
     the format its state's dtypes say: an int8 optimizer may hold fp32 moments for some parameters.
 
     Args:
-        params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, state_dtype: as :class:`CPUAdam`.
+        params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, state_dtype, min_8bit_size,
+            fp32_state_params: as :class:`CPUAdam`.
             Parameters: fp32 (or bf16, no master), dense, contiguous, on any device.
         compile: keyword only; step each chunk through ``torch.compile`` (same bits; the first step of each format
             compiles, about a minute for int8 on a 2-core CPU). Off by default: ``benchmarks/bench_device_adam.py``
@@ -53,6 +54,8 @@ class DeviceAdam(CPUAdam):
         adamw_mode: bool = True,
         bias_correction: bool = True,
         state_dtype: torch.dtype | str = torch.float32,
+        min_8bit_size: int = MIN_8BIT_SIZE,
+        fp32_state_params: Iterable[torch.Tensor] | None = None,
         compile: bool = False,
     ) -> None:
         self.compile = bool(compile)
@@ -65,6 +68,8 @@ class DeviceAdam(CPUAdam):
             adamw_mode=adamw_mode,
             bias_correction=bias_correction,
             state_dtype=state_dtype,
+            min_8bit_size=min_8bit_size,
+            fp32_state_params=fp32_state_params,
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -117,8 +122,8 @@ class DeviceAdam(CPUAdam):
         return loss
 
     def _new_state(self, p: torch.Tensor) -> dict[str, Any]:
-        """Fresh state: ``step`` 0 and zero moments in ``state_dtype`` on ``p``'s device."""
-        return {"step": 0, **new_moments(p.shape, self.state_dtype, zeros=_zeros_on(p.device))}
+        """Fresh state: ``step`` 0 and zero moments in ``p``'s :meth:`~CPUAdam.state_format` on ``p``'s device."""
+        return {"step": 0, **new_moments(p.shape, self.state_format(p), zeros=_zeros_on(p.device))}
 
 
 def _zeros_on(device: torch.device) -> Callable[..., torch.Tensor]:

@@ -143,7 +143,8 @@ def load_consolidated_state_dict(
                 new_state[key] = shard
             else:
                 new_state[key] = first.clone() if torch.is_tensor(first) else first
-        fmt = getattr(optimizer, "state_dtype", None)  # a CPUAdam: its moments in its own format
+        # a CPUAdam: this master's moments in its format (under int8, fp32 for a flat parameter of small parameters)
+        fmt = optimizer.state_format(master) if hasattr(optimizer, "state_format") else None
         if fmt is not None and all(torch.is_tensor(new_state.get(k)) for k in ("exp_avg", "exp_avg_sq")):
             for key in ABSMAX_KEYS:
                 new_state.pop(key, None)

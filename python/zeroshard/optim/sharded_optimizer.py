@@ -98,7 +98,7 @@ def to_cpu_adam(optimizer: Optimizer, cls: type | None = None, **extra) -> Optim
         return optimizer
     if kind == "cpu_adam":
         flags = {"adamw_mode": d["adamw_mode"], "bias_correction": d["bias_correction"]}
-        extra = {"state_dtype": optimizer.state_dtype, **extra}
+        extra = {"state_dtype": optimizer.state_dtype, "min_8bit_size": optimizer.min_8bit_size, **extra}
     else:
         flags = {"adamw_mode": kind == "adamw" or bool(d.get("decoupled_weight_decay", False))}
     return cls(
@@ -234,8 +234,10 @@ class OptimizerSet:
     # -- state formats, for checkpoints (:mod:`zeroshard.optim.state_format`; the checkpoint layer imports no optim) --
 
     def state_format_of(self, fp: FlatParam) -> torch.dtype | str:
-        """The format ``fp``'s optimizer keeps moments in: a ``CPUAdam``'s ``state_dtype``, else ``torch.float32``."""
-        return getattr(self.optimizer_of(fp), "state_dtype", torch.float32)
+        """The format ``fp``'s optimizer keeps its master's moments in: a ``CPUAdam``'s ``state_format`` (under int8,
+        fp32 for a flat parameter of small parameters), else ``torch.float32``."""
+        opt = self.optimizer_of(fp)
+        return opt.state_format(fp.master) if hasattr(opt, "state_format") else torch.float32
 
     def convert_shard_moments(self, fp: FlatParam, moments: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{"exp_avg", "exp_avg_sq"}`` of ``fp``'s shard (fp32 values, or any format) as new tensors in the format

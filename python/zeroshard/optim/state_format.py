@@ -5,6 +5,11 @@
 - ``"int8"``: block-wise dynamic 8-bit moments (Dettmers et al. 2022; bitsandbytes' blockwise 8-bit Adam):
   ``exp_avg`` / ``exp_avg_sq`` hold uint8 codes shaped like the parameter, ``exp_avg_absmax`` /
   ``exp_avg_sq_absmax`` one fp32 scale per block of 2048 elements (2 + 8/2048 bytes).
+
+Under ``"int8"`` a tensor of fewer than :data:`MIN_8BIT_SIZE` (4096) elements keeps fp32 moments, as bitsandbytes
+does (``min_8bit_size=4096``; ``Optimizer2State.init_state`` in ``bitsandbytes/optim/optimizer.py``, commit 06029dd):
+norm weights and biases. A state's format is read from its own tensors (:func:`format_of`), so one optimizer may hold
+both.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from zeroshard.ops import QUANT_BLOCK, dequantize_state, quantize_state
 
 __all__ = [
     "ABSMAX_KEYS",
+    "MIN_8BIT_SIZE",
     "STATE_DTYPES",
+    "check_min_8bit_size",
     "check_state_dtype",
     "convert_moments",
     "format_of",
@@ -30,6 +37,8 @@ __all__ = [
 STATE_DTYPES = (torch.float32, torch.bfloat16, "int8")
 ABSMAX_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# bitsandbytes' default min_8bit_size: tensors with fewer elements keep 32-bit state under its 8-bit optimizers
+MIN_8BIT_SIZE = 4096
 
 
 def check_state_dtype(state_dtype: Any) -> torch.dtype | str:
@@ -41,6 +50,16 @@ def check_state_dtype(state_dtype: Any) -> torch.dtype | str:
         f"state_dtype={state_dtype!r} is not supported; use torch.float32 (default), torch.bfloat16 or 'int8' "
         f"(block-wise 8-bit moments)"
     )
+
+
+def check_min_8bit_size(min_8bit_size: Any) -> int:
+    """``min_8bit_size`` as an int >= 0; raises ValueError naming the value and the fix otherwise."""
+    if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+        raise ValueError(
+            f"min_8bit_size={min_8bit_size!r}: give an int >= 0, the fewest elements a tensor needs for int8 moments "
+            f"(default {MIN_8BIT_SIZE}, bitsandbytes'; 0 quantises every tensor)"
+        )
+    return min_8bit_size
 
 
 def moment_bytes(numel: int, state_dtype: torch.dtype | str) -> int:

@@ -6,8 +6,9 @@ by
 modules of several units (tied embedding and LM head in different units) goes to the root, so it is gathered whenever
 any of its users runs (DESIGN.md: keep tied parameters in one unit; Lightning issue 21403).
 
-Inside a unit, parameters are split into flat parameters by optimizer param group, and frozen parameters get a flat
-parameter of their own (no master shard, no gradients).
+Inside a unit, parameters are split into flat parameters by optimizer param group (and by ``apart``, as for buckets:
+under int8 optimizer state the small parameters that keep fp32 moments), and frozen parameters get a flat parameter of
+their own (no master shard, no gradients).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from zeroshard.sharding.buckets import BucketPlan
+from zeroshard.sharding.buckets import Apart, BucketPlan
 
 WrapPolicy = type | tuple | Callable[[str, nn.Module], bool] | int | None
 
@@ -78,13 +79,17 @@ def wrap_predicate(policy: WrapPolicy) -> Callable[[str, nn.Module], bool]:
     )
 
 
-def plan_units(root: nn.Module, policy: WrapPolicy, param_groups: list[list[nn.Parameter]]) -> list[UnitPlan]:
+def plan_units(
+    root: nn.Module, policy: WrapPolicy, param_groups: list[list[nn.Parameter]], apart: Apart | None = None
+) -> list[UnitPlan]:
     """Cuts ``root`` into units in forward (registration) order; the root unit comes first.
 
     Args:
         root: the model.
         policy: module class(es), a parameter-count threshold, or ``callable(name, module) -> bool``.
         param_groups: the optimizer's parameter lists; a trainable parameter in none of them is treated as frozen.
+        apart: ``apart(group_index, param)``: True puts the parameter in its unit's flat parameter of such parameters
+            of its group (default: none apart).
 
     Returns:
         Units; each has at least one flat parameter or is dropped (a unit whose parameters all went elsewhere).
@@ -120,9 +125,10 @@ def plan_units(root: nn.Module, policy: WrapPolicy, param_groups: list[list[nn.P
         unit = units[next(iter(owners[id(p)])) if len(owners[id(p)]) == 1 else 0]
         if p.requires_grad and id(p) in group_of:
             gi = group_of[id(p)]
-            bucket = next((b for b in unit.buckets if b.group_index == gi), None)
+            alone = apart is not None and apart(gi, p)
+            bucket = next((b for b in unit.buckets if b.group_index == gi and b.apart == alone), None)
             if bucket is None:
-                bucket = BucketPlan(group_index=gi)
+                bucket = BucketPlan(group_index=gi, apart=alone)
                 unit.buckets.append(bucket)
         else:
             if unit.frozen is None:

@@ -7,9 +7,12 @@ Usage: ``state_format_runs.py OUT_DIR CASES_JSON``. Each case: ``{"name", "stage
 runs every case (a fresh engine over a fresh TinyLM, ``STEPS`` steps, each rank its own batches); rank 0 also computes
 the references, in process, from the same batches:
 
-* ``per_param``: ``CPUAdam(state_dtype=fmt)`` over the model's parameters (what a user gets without zeroshard);
+* ``per_param``: ``CPUAdam(state_dtype=fmt)`` over the model's parameters (what a user gets without zeroshard; under
+  int8 the parameters below ``min_8bit_size`` = 4096 elements keep fp32 moments);
 * ``same_shards``: ``CPUAdam(state_dtype=fmt)`` over tensors cut like the engine's flat shards (each flat parameter's
   padded buffer, split into ``world_size`` contiguous shards): int8 blocks of 2048 then start where the engine's do.
+  Under int8 the shards of a flat parameter whose parameters all have fewer than 4096 elements keep fp32 moments
+  (``fp32_state_params``), decided here from the parameters' shapes.
 
 Gradients of the references: each rank's batch through the unsharded model, summed over ranks and divided by the world
 size (the engine's SUM then / world_size). Rank 0 computes the references and writes ``OUT_DIR/{name}.pt``: the
@@ -20,6 +23,7 @@ optimizer-state bytes).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from zeroshard import CPUAdam
 from zeroshard.optim.device_adam import DeviceAdam
 
 STEPS = 4
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default, CPUAdam's
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": "int8"}
 
 
@@ -87,6 +92,7 @@ def reference_same_shards(fmt, data, engine) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     world = engine.world_size
     flats, opt_groups = [], [{"params": [], "weight_decay": g["weight_decay"]} for g in groups(model)]
+    fp32_state = []
     for fp in engine.flat_params:
         full = torch.zeros(fp.layout.padded_numel)
         views = fp.layout.views(full)
@@ -94,9 +100,11 @@ def reference_same_shards(fmt, data, engine) -> dict[str, torch.Tensor]:
         for name, view in zip(names, views):
             view.copy_(params[name].detach().reshape(view.shape))
         shards = list(full.view(world, -1))
+        if all(params[n].numel() < MIN_8BIT_SIZE for n in names):
+            fp32_state += shards
         flats.append((names, full, fp.layout, shards))
         opt_groups[engine.optim.group_index_of(fp)]["params"].extend(shards)
-    opt = CPUAdam(opt_groups, lr=1e-2, state_dtype=fmt)
+    opt = CPUAdam(opt_groups, lr=1e-2, state_dtype=fmt, fp32_state_params=fp32_state if fmt == "int8" else None)
     for per_rank in data:
         grads = mean_grads(model, per_rank)
         step_grads = {}
@@ -143,11 +151,12 @@ def run_case(out: Path, case: dict) -> None:
         engine.optimizer.step()
         engine.after_step()
     got = engine.full_state_dict()
-    st = engine.optimizer.state[engine.flat_params[0].master]
+    states = [engine.optimizer.state[fp.master] for fp in engine.flat_params]
     facts = {
         "optimizer": type(engine.optimizer).__name__,
-        "moment_dtype": str(st["exp_avg"].dtype),
-        "absmax": "exp_avg_absmax" in st,
+        "moment_dtypes": [str(st["exp_avg"].dtype) for st in states],  # per flat parameter
+        "absmax": ["exp_avg_absmax" in st for st in states],
+        "param_numels": [[math.prod(s) for s in fp.shapes] for fp in engine.flat_params],
         "optimizer_state_bytes": engine.memory_summary()["optimizer_state"],
         "shard_numels": [fp.layout.shard_numel for fp in engine.flat_params],
     }
