@@ -29,7 +29,7 @@ where the units' sizes differ (the backend may otherwise abort on the mismatched
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,8 @@ class _RegatherBeforeBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime._pre_backward(ctx.index)
+        with _profiled("zeroshard::pre_backward"):
+            ctx.runtime._pre_backward(ctx.index)
         return (None, None, *grads)
 
 
@@ -99,8 +100,15 @@ class _PostBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime._post_backward(ctx.index)
+        with _profiled("zeroshard::post_backward"):
+            ctx.runtime._post_backward(ctx.index)
         return (None, None, *grads)
+
+
+def _profiled(label: str):
+    """The range ``label`` while a profiler records (for the unit events: pre/post forward and backward, the wait of
+    an all-gather), else nothing: ``record_function`` costs microseconds per call even when nothing records."""
+    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def _wrap_tensors(fn, runtime, index: int, tree):
@@ -150,12 +158,16 @@ class ShardedUnits:
             if unit.is_root:
                 continue
             pre, post = self._make_pre_forward(i), self._make_post_forward(i)
-            self._handles.append(unit.module.register_forward_pre_hook(RuntimeHook(pre), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(RuntimeHook(post)))
+            pre, post = RuntimeHook(pre, "zeroshard::pre_forward"), RuntimeHook(post, "zeroshard::post_forward")
+            self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(post))
         root = units[0].module
         for module in _root_hook_modules(root, units[0]):
-            self._handles.append(module.register_forward_pre_hook(RuntimeHook(self._root_pre_forward)))
-            self._handles.append(module.register_forward_hook(RuntimeHook(self._root_post_forward)))
+            pre = RuntimeHook(self._root_pre_forward, "zeroshard::root_pre_forward")
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(
+                module.register_forward_hook(RuntimeHook(self._root_post_forward, "zeroshard::root_post_forward"))
+            )
         _attach_slots(root, units, self)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
         # mode: forwards hold collectives), and lets dynamo treat the modules as FSDP-managed ones (parameters are
@@ -287,7 +299,7 @@ class ShardedUnits:
 
     def _wait(self, unit: Unit) -> None:
         handle, unit.pending = unit.pending, None
-        with self._named("parameter all-gather", unit):
+        with self._named("parameter all-gather", unit), _profiled("zeroshard::all_gather_wait"):
             handle.wait()
         if self.tagged:
             index = self.units.index(unit)
