@@ -11,8 +11,9 @@ events) give, per step:
   ``post_backward``, ``root_pre_forward``, ``root_post_forward``): calls, mean microseconds of the range, of that the
   wait for an all-gather (``zeroshard::all_gather_wait``: time blocked on the collective, a wait a prefetch could
   hide), and the rest, the CPU time of the event itself (Python, tag check, buffer allocation, copies);
-* allocations: of at least 64 KiB (all of the step's, and those the size of a unit's gathered buffers: flat parameters'
-  full buffers and the all-gather staging buffer), count and MiB;
+* allocations from torch's CPU allocator of at least 64 KiB (all of the step's, and those the size of a unit's gathered
+  buffers: flat parameters' full buffers and the all-gather staging buffer), count and MiB, as the profiler attributes
+  them to ops (several in one op count once); with the buffer cache (issue 22) its reuses and fresh blocks instead;
 * collectives: the engine's count (``engine.comm_stats()``, last step) and the backend's (profiler ranges ``gloo:*``).
 
 The profiler adds its own cost to every range and op (a few microseconds each), so the event times are upper bounds.
@@ -133,10 +134,18 @@ def gathered_sizes(run: Run) -> set[int]:
     return sizes
 
 
+def _cache_stats() -> dict | None:
+    from zeroshard import _C
+
+    return _C.buffer_cache_stats() if hasattr(_C, "buffer_cache_stats") else None  # absent before issue 22
+
+
 def profile_run(run: Run, steps: int) -> dict:
+    cache0 = _cache_stats()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(steps):
             run.step(record=False)
+    cache1 = _cache_stats()
     events = prof.events()
     table = {}
     for name in EVENTS:
@@ -151,7 +160,9 @@ def profile_run(run: Run, steps: int) -> dict:
             "wait_us_mean": wait / len(hits),
             "cpu_us_mean": (total - wait) / len(hits),
         }
-    allocs = [e.cpu_memory_usage for e in events if e.name == "[memory]" and e.cpu_memory_usage >= BIG]
+    # bytes taken from torch's CPU allocator, attributed to the op that took them (or "[memory]" outside ops, e.g. a
+    # storage resize_); the buffer cache's blocks are not reported to the profiler: its reuses are counted below
+    allocs = [e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage >= BIG]
     sizes = gathered_sizes(run)
     gathered = [b for b in allocs if b in sizes]
     backend: dict[str, float] = {}
@@ -168,6 +179,12 @@ def profile_run(run: Run, steps: int) -> dict:
         },
         "backend_collectives_per_step": backend,
     }
+    if cache0 is not None and run.engine is not None:
+        out["buffer_cache_per_step"] = {
+            "reused": (cache1["hits"] - cache0["hits"]) / steps,
+            "fresh": (cache1["misses"] - cache0["misses"]) / steps,
+            "cached_MiB_at_end": cache1["cached_bytes"] / 2**20,
+        }
     if run.engine is not None:
         last = run.engine.comm_stats()["last_step"]
         out["engine_collectives_per_step"] = {k: v["calls"] for k, v in last.items()}
@@ -233,7 +250,9 @@ def markdown(data: dict) -> str:
             "",
             f"Median step: stage 3 {e['step_ms_median']['stage3']:.1f} ms, DDP {e['step_ms_median']['ddp']:.1f} ms; "
             f"stage 3 speed / DDP (median of paired rounds) {e['ddp_over_stage3_median_of_rounds']:.3f}. "
-            f"CPU per rank: stage 3 {e['cpu_ms_median']['stage3']:.1f} ms, DDP {e['cpu_ms_median']['ddp']:.1f} ms.",
+            f"CPU per rank: stage 3 {e['cpu_ms_median']['stage3']:.1f} ms, DDP {e['cpu_ms_median']['ddp']:.1f} ms: "
+            f"{_beyond_ddp_us(e):.0f} us more per unit event (pre/post forward and backward of the blocks; "
+            "all threads, gloo's included).",
             "",
             "| unit event | per step | us per event | of which all-gather wait | CPU us per event (rest) |",
             "|---|---|---|---|---|",
@@ -251,12 +270,23 @@ def markdown(data: dict) -> str:
             f"| allocations >= 64 KiB | {a3['at_least_64KiB']:.0f} ({a3['at_least_64KiB_MiB']:.1f} MiB) | "
             f"{ad['at_least_64KiB']:.0f} ({ad['at_least_64KiB_MiB']:.1f} MiB) |",
             f"| of which gathered buffers | {a3['gathered_buffers']:.0f} ({a3['gathered_buffers_MiB']:.1f} MiB) | - |",
+            f"| buffer cache: reused, fresh | {_fmt_cache(p3.get('buffer_cache_per_step'))} | - |",
             f"| engine collectives | {_fmt(p3.get('engine_collectives_per_step', {}))} | - |",
             f"| backend collectives | {_fmt(p3['backend_collectives_per_step'])} | "
             f"{_fmt(pd['backend_collectives_per_step'])} |",
             "",
         ]
     return "\n".join(lines)
+
+
+def _beyond_ddp_us(e: dict) -> float:
+    """Median CPU time per rank and step that stage 3 adds to DDP, per unit event (4 per block and step)."""
+    events = sum(e["profile"]["stage3"]["unit_events"].get(k, {}).get("per_step", 0) for k in EVENTS[:4])
+    return 1e3 * (e["cpu_ms_median"]["stage3"] - e["cpu_ms_median"]["ddp"]) / max(events, 1)
+
+
+def _fmt_cache(c: dict | None) -> str:
+    return "no cache" if c is None else f"{c['reused']:.0f}, {c['fresh']:.0f}"
 
 
 def _fmt(counts: dict) -> str:

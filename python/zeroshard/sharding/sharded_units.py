@@ -64,6 +64,7 @@ class Unit:
         self.dirty = False  # its gathered values may have been written: write them back to the shard when freed
         self.tag_sent: list[int] | None = None  # gather tag of the all-gather in flight (gather_check.encode)
         self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
+        self.tag_tensors: dict[bool, torch.Tensor] = {}  # this rank's tag per phase (backward or not), as sent
         self.backward = False  # whether the all-gather in flight is for backward
         self.reason: str | None = None  # what the all-gather in flight is for, outside forward/backward (for errors)
 
@@ -227,8 +228,11 @@ class ShardedUnits:
         if not self.tagged:
             return [], []
         unit.tag_sent = gather_check.encode(index, unit.backward)
-        tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
-        tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+        tag = unit.tag_tensors.get(unit.backward)
+        if tag is None:  # made once per unit and phase: only ever read by the all-gathers
+            tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
+            tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+            unit.tag_tensors[unit.backward] = tag
         if unit.tags is None:
             world = self.collectives.world_size
             unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
