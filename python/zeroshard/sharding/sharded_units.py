@@ -210,7 +210,7 @@ class ShardedUnits:
             tag, tags = self._tag_buffers(index, unit)
             fulls = [fp.full for fp in unit.flat_params] + tags
             # one bucket, so one all-gather: every rank's row is its shards followed by its tag (gather_check)
-            bucket = sum(fp.numel() for fp in fulls)
+            bucket = sum(t.numel() for t in fulls)
             if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
                 unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
             else:
