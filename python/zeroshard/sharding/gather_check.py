@@ -4,14 +4,21 @@ Ranks that take different code paths in forward (``if rank == 1: skip a block``)
 all-gather. When those units have the same size (transformer blocks usually do) the collective succeeds and every rank
 goes on with a buffer whose slices come from different units: training on parameters mixed across blocks, silently
 (neither DeepSpeed nor FSDP catches it: their issues #7170 and #158719). Here each unit all-gather carries
-:data:`TAG_ELEMS` extra elements per rank, holding the unit's index and whether the gather is for forward or backward:
-one ``BucketedCollectives.all_gather`` call and one handle, whose second bucket is the 4-element tag (a bucket of its
-own, so the unit's buffers keep the direct path without a staging copy), issued right after the unit's buffers on the
-same group, hence matched with the same position of every other rank's sequence. Every rank compares all ranks' tags
+:data:`TAG_ELEMS` extra elements per rank, holding the unit's index and whether the gather is for forward or backward,
+inside the unit's own all-gather: one ``BucketedCollectives.all_gather`` call, one bucket, one collective, in which
+every rank's row is its shards of the unit's flat parameters followed by its tag. Every rank compares all ranks' tags
 when the handle's wait returns, before the buffer is used; a mismatch raises
 :class:`~zeroshard.sharding.collective_errors.DivergedRanksError` on every rank, naming each rank's unit. On CUDA the
 tags are compared at the end of the step's backward (one host read per step, no synchronisation inside it), still before
 the optimizer step.
+
+Where the tag travels: a unit with several flat parameters (one per optimizer param group, one for frozen parameters)
+already gathers through a staging row per rank (copy-in of the shards, copy-out into the full buffers, as FSDP2's
+all-gather), and the tag adds 4 elements to it. A unit of one flat parameter takes that staging path for the tag: a
+copy of the unit per gather, instead of a second, latency-bound collective (which it was until issue 22). Each rank's
+tag cannot sit in its shard's padding without that copy: a flat parameter is padded at its end only (the last rank's
+shard), and parameters straddle shard boundaries, so a slot in every rank's shard would cut a parameter's contiguous
+view, or pad every shard up to the largest parameter.
 
 Encoding: the index as three base-256 digits and a phase code (1 forward, 3 backward), each an integer in [0, 255],
 exact in every float dtype (bfloat16 holds integers up to 256 exactly, float16 up to 2048): up to 2**24 units.
@@ -61,11 +68,12 @@ def disagreement(tags: torch.Tensor) -> list[tuple[int, int, bool] | None] | Non
     Args:
         tags: ``[world_size * TAG_ELEMS]`` gathered tags (any float dtype, any device; read on the host).
     """
-    rows = tags.view(-1, TAG_ELEMS)
-    if bool((rows == rows[0]).all()):
+    values = tags.tolist()  # one host read of a few elements: cheaper than comparing as tensors (1 us against 11)
+    rows = [values[i : i + TAG_ELEMS] for i in range(0, len(values), TAG_ELEMS)]
+    if all(row == rows[0] for row in rows):
         return None
     out = []
-    for r, row in enumerate(rows.float().tolist()):
+    for r, row in enumerate(rows):
         d = decode(row)
         out.append(None if d is None else (r, d[0], d[1]))
     return out

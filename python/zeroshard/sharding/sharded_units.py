@@ -17,8 +17,9 @@ slots hold :class:`~zeroshard.sharding.sharded_param.ShardedParameter` placehold
 unit on demand on every rank (a collective), whole-tensor writes land in the shard. The hooks are hidden from
 ``torch.compile`` (``torch.compiler.disable``): a compiled block graph-breaks at its hooks and compiles its body.
 
-Every gather is one bucketed all-gather over the unit's flat parameters, on a process group of its own, carrying a
-tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every rank checks before using the buffer:
+Every gather is one bucketed all-gather (one collective) over the unit's flat parameters, on a process group of its
+own, carrying in every rank's row a tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every
+rank checks before using the buffer:
 ranks that took different code paths end with an error naming every rank's unit, never training on parameters mixed
 across units (the failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is
 re-raised as a :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the unit, the step and the rank.
@@ -29,7 +30,7 @@ where the units' sizes differ (the backend may otherwise abort on the mismatched
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ class Unit:
         self.dirty = False  # its gathered values may have been written: write them back to the shard when freed
         self.tag_sent: list[int] | None = None  # gather tag of the all-gather in flight (gather_check.encode)
         self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
+        self.tag_tensors: dict[bool, torch.Tensor] = {}  # this rank's tag per phase (backward or not), as sent
         self.backward = False  # whether the all-gather in flight is for backward
         self.reason: str | None = None  # what the all-gather in flight is for, outside forward/backward (for errors)
 
@@ -89,7 +91,8 @@ class _RegatherBeforeBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime._pre_backward(ctx.index)
+        with _profiled("zeroshard::pre_backward"):
+            ctx.runtime._pre_backward(ctx.index)
         return (None, None, *grads)
 
 
@@ -99,8 +102,15 @@ class _PostBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime._post_backward(ctx.index)
+        with _profiled("zeroshard::post_backward"):
+            ctx.runtime._post_backward(ctx.index)
         return (None, None, *grads)
+
+
+def _profiled(label: str):
+    """The range ``label`` while a profiler records (for the unit events: pre/post forward and backward, the wait of
+    an all-gather), else nothing: ``record_function`` costs microseconds per call even when nothing records."""
+    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else nullcontext()
 
 
 def _wrap_tensors(fn, runtime, index: int, tree):
@@ -150,13 +160,18 @@ class ShardedUnits:
             if unit.is_root:
                 continue
             pre, post = self._make_pre_forward(i), self._make_post_forward(i)
-            self._handles.append(unit.module.register_forward_pre_hook(RuntimeHook(pre), with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(RuntimeHook(post)))
+            pre, post = RuntimeHook(pre, "zeroshard::pre_forward"), RuntimeHook(post, "zeroshard::post_forward")
+            self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(unit.module.register_forward_hook(post))
         root = units[0].module
         for module in _root_hook_modules(root, units[0]):
-            self._handles.append(module.register_forward_pre_hook(RuntimeHook(self._root_pre_forward)))
-            self._handles.append(module.register_forward_hook(RuntimeHook(self._root_post_forward)))
+            pre = RuntimeHook(self._root_pre_forward, "zeroshard::root_pre_forward")
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(
+                module.register_forward_hook(RuntimeHook(self._root_post_forward, "zeroshard::root_post_forward"))
+            )
         _attach_slots(root, units, self)
+        _reserve_buffer_cache(units)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
         # mode: forwards hold collectives), and lets dynamo treat the modules as FSDP-managed ones (parameters are
         # graph inputs, so the swap between placeholders and parameters around each use is seen, not baked in).
@@ -194,10 +209,8 @@ class ShardedUnits:
                 fp.alloc_full()
             tag, tags = self._tag_buffers(index, unit)
             fulls = [fp.full for fp in unit.flat_params] + tags
-            # the unit's buffers fill one bucket, so the tag goes in a bucket of its own: a 4-element all-gather right
-            # after the unit's, in the same handle (packing it with the unit would add a staging copy of the whole
-            # unit to every gather: +1 to +2.5 % CPU time per step in bench_gather_check.py)
-            bucket = sum(fp.layout.padded_numel for fp in unit.flat_params)
+            # one bucket, so one all-gather: every rank's row is its shards followed by its tag (gather_check)
+            bucket = sum(t.numel() for t in fulls)
             if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
                 unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
             else:
@@ -215,8 +228,11 @@ class ShardedUnits:
         if not self.tagged:
             return [], []
         unit.tag_sent = gather_check.encode(index, unit.backward)
-        tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
-        tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+        tag = unit.tag_tensors.get(unit.backward)
+        if tag is None:  # made once per unit and phase: only ever read by the all-gathers
+            tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
+            tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
+            unit.tag_tensors[unit.backward] = tag
         if unit.tags is None:
             world = self.collectives.world_size
             unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
@@ -287,7 +303,7 @@ class ShardedUnits:
 
     def _wait(self, unit: Unit) -> None:
         handle, unit.pending = unit.pending, None
-        with self._named("parameter all-gather", unit):
+        with self._named("parameter all-gather", unit), _profiled("zeroshard::all_gather_wait"):
             handle.wait()
         if self.tagged:
             index = self.units.index(unit)
@@ -554,6 +570,23 @@ class ShardedUnits:
     def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """The process group and device for the debug order check."""
         self._group, self._check_device, self._gather_count = group, device, 0
+
+
+def _reserve_buffer_cache(units: list[Unit]) -> None:
+    """CPU: lets the buffer cache (``_C.cached_empty``) keep the memory of two units' gathers between uses: the full
+    buffers, the all-gather staging buffer and the full gradient buffers a unit frees every step and the next unit (of
+    the same size, in a transformer) takes again, instead of faulting fresh pages in twice a step. That memory stays
+    held between steps (as the GPU's caching allocator holds it). Raises the process-wide limit, never lowers it."""
+    sizes = []
+    for unit in units:
+        if unit.flat_params[0].device.type != "cpu":
+            continue
+        fulls = sum(fp.full_nbytes for fp in unit.flat_params)
+        grads = sum(fp.layout.padded_numel * fp.grad_dtype.itemsize for fp in unit.trainable)
+        sizes.append(2 * fulls + grads)  # full buffers, staging, full gradients
+    need = 2 * max(sizes, default=0)
+    if need > _C.buffer_cache_stats()["limit_bytes"]:
+        _C.set_buffer_cache_limit(need)
 
 
 def _registered(ph: ShardedParameter) -> bool:
