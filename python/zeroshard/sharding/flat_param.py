@@ -100,11 +100,18 @@ class FlatParam:
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
-            source = self.layout.flatten([p.detach() for p in params], source_dtype, self.device)
-            if keep_full:
-                self.full = source if self.dtype == source_dtype else source.to(self.dtype)
-            else:  # freed and gathered again twice a step: memory from the buffer cache on the CPU
-                self.full = self._reusable_empty(self.layout.padded_numel, self.dtype).copy_(source)
+            if not keep_full and self.dtype == source_dtype:
+                # stage 3: freed and gathered again twice a step, so its memory comes from the buffer cache on the
+                # CPU; filled in place (a flattened copy beside it would hold two of the unit while a meta model
+                # materialises unit by unit)
+                source = self.full = self._reusable_empty(self.layout.padded_numel, self.dtype).zero_()
+                self.layout.copy_into(self.full, [p.detach() for p in params])
+            else:  # the master copies from the source's precision, not the compute dtype's
+                source = self.layout.flatten([p.detach() for p in params], source_dtype, self.device)
+                if keep_full:
+                    self.full = source if self.dtype == source_dtype else source.to(self.dtype)
+                else:
+                    self.full = self._reusable_empty(self.layout.padded_numel, self.dtype).copy_(source)
             for p, view in zip(params, self.layout.views(self.full)):
                 p.data = view
             # Stage 3 keeps only the shard between uses: a tensor of its own, while `full` keeps its storage object
