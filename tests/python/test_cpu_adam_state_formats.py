@@ -131,12 +131,19 @@ def test_int8_state_equals_torch_reference_over_20_steps(n):
     gen = torch.Generator().manual_seed(n)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
     opt = CPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8", min_8bit_size=0)
+    check_int8_against_reference(opt, p, _grads(n, 20, seed=n + 1))
+
+
+def check_int8_against_reference(opt, p: torch.nn.Parameter, grads: list[torch.Tensor]) -> None:
+    """Steps ``opt`` (an int8 optimizer over ``p`` alone, AdamW with LR, BETAS, EPS, WD) through ``grads`` and checks
+    the parameter, absmax and codes after every step against this module's reference (ref_*: own maps, float64 arithmetic)."""
+    n = p.numel()
     smap, umap = ref_dynamic_map(True), ref_dynamic_map(False)
     rp = p.detach().double().clone()
     rmc, rvc = torch.full((n,), 127, dtype=torch.long), torch.zeros(n, dtype=torch.long)  # code of 0.0
     blocks = (n + BLOCK - 1) // BLOCK
     rma, rva = torch.zeros(blocks, dtype=torch.float64), torch.zeros(blocks, dtype=torch.float64)
-    for t, g in enumerate(_grads(n, 20, seed=n + 1), start=1):
+    for t, g in enumerate(grads, start=1):
         opt.step(grads={p: g})
         m, v = ref_dequantize(rmc, rma, smap), ref_dequantize(rvc, rva, umap)
         rp, m, v = ref_update(rp, g.double(), m, v, t)

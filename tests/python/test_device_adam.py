@@ -18,14 +18,10 @@ import pytest
 import torch
 from test_cpu_adam_state_formats import (
     BETAS,
-    BLOCK,
     EPS,
     LR,
     WD,
-    ref_dequantize,
-    ref_dynamic_map,
-    ref_quantize,
-    ref_update,
+    check_int8_against_reference,
 )
 
 from zeroshard import ops
@@ -112,23 +108,7 @@ def test_int8_equals_independent_reference_over_20_steps(n):
     gen = torch.Generator().manual_seed(n)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
     opt = DeviceAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, state_dtype="int8", min_8bit_size=0)
-    smap, umap = ref_dynamic_map(True), ref_dynamic_map(False)
-    rp = p.detach().double().clone()
-    rmc, rvc = torch.full((n,), 127, dtype=torch.long), torch.zeros(n, dtype=torch.long)
-    blocks = (n + BLOCK - 1) // BLOCK
-    rma, rva = torch.zeros(blocks, dtype=torch.float64), torch.zeros(blocks, dtype=torch.float64)
-    for t, g in enumerate(_grads(n, 20, seed=n + 1, dtype=torch.bfloat16), start=1):
-        opt.step(grads={p: g})
-        m, v = ref_dequantize(rmc, rma, smap), ref_dequantize(rvc, rva, umap)
-        rp, m, v = ref_update(rp, g.double(), m, v, t)
-        rmc, rma = ref_quantize(m, smap)
-        rvc, rva = ref_quantize(v, umap)
-        st = opt.state[p]
-        assert torch.equal(p.detach(), rp.float()), f"param differs at step {t}"
-        assert torch.equal(st["exp_avg_absmax"], rma.float()) and torch.equal(st["exp_avg_sq_absmax"], rva.float())
-        live = rma.repeat_interleave(BLOCK)[:n] != 0
-        assert torch.equal(st["exp_avg"].long()[live], rmc[live]), f"exp_avg codes differ at step {t}"
-        assert torch.equal(st["exp_avg_sq"].long(), rvc), f"exp_avg_sq codes differ at step {t}"
+    check_int8_against_reference(opt, p, _grads(n, 20, seed=n + 1, dtype=torch.bfloat16))
 
 
 def _models(fmt, adamw=True, seed=0):
