@@ -136,7 +136,8 @@ def test_int8_state_equals_torch_reference_over_20_steps(n):
 
 def check_int8_against_reference(opt, p: torch.nn.Parameter, grads: list[torch.Tensor]) -> None:
     """Steps ``opt`` (an int8 optimizer over ``p`` alone, AdamW with LR, BETAS, EPS, WD) through ``grads`` and checks
-    the parameter, absmax and codes after every step against this module's reference (ref_*: own maps, float64 arithmetic)."""
+    the parameter, absmax and codes after every step against this module's reference (``ref_*``: own maps, float64
+    arithmetic)."""
     n = p.numel()
     smap, umap = ref_dynamic_map(True), ref_dynamic_map(False)
     rp = p.detach().double().clone()
