@@ -1,9 +1,6 @@
 #include "comm/bucketed_collectives.h"
 
 #include "comm/process_group_compat.h"
-#include "flat/buffer_cache.h"
-
-#include <ATen/EmptyTensor.h>
 
 #include <string>
 #include <utility>
@@ -43,17 +40,6 @@ void check_pairs(const char* op, const Tensors& shards, const Tensors& fulls, in
                 " elements, expected world_size (", world, ") * shards[", i, "].numel() (", shards[i].numel(),
                 ") = ", world * shards[i].numel());
   }
-}
-
-// A staging buffer, allocated and freed with every collective: on the CPU from the buffer cache (flat/buffer_cache.h),
-// which reuses the memory of the last one of the same size instead of faulting fresh pages in; on the GPU from
-// torch's caching allocator.
-at::Tensor staging_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  if (options.device().is_cpu()) {
-    return at::detail::empty_generic(sizes, buffer_cache_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                     c10::typeMetaToScalarType(options.dtype()), std::nullopt);
-  }
-  return at::empty(sizes, options);
 }
 
 at::Device first_device(const Tensors& a, const Tensors& b = {}) {
@@ -126,7 +112,7 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
       continue;
     }
     // Copy-in to this rank's row of the [world, total] staging buffer, gather in place, copy-out each column block.
-    at::Tensor staging = staging_empty({world_size_, total}, shards[b].options());
+    at::Tensor staging = at::empty({world_size_, total}, shards[b].options());
     std::vector<int64_t> sizes;
     Tensors ins;
     Tensors outs;
@@ -168,14 +154,14 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
       in = fulls[b].view({-1});  // already [world, S] in memory
     } else {
       // Row r of the staging buffer holds chunk r of every full, so the reduce-scatter hands rank r its chunks.
-      in = staging_empty({world_size_, total}, fulls[b].options());
+      in = at::empty({world_size_, total}, fulls[b].options());
       Tensors parts;
       for (size_t i = b; i < e; ++i) parts.push_back(fulls[i].view({world_size_, shards[i].numel()}));
       at::cat_out(in, parts, 1);
       in = in.view({-1});
     }
     const bool direct = e - b == 1 && !accumulate && shards[b].scalar_type() == fulls[b].scalar_type();
-    at::Tensor out = direct ? shards[b].view({-1}) : staging_empty({total}, fulls[b].options());
+    at::Tensor out = direct ? shards[b].view({-1}) : at::empty({total}, fulls[b].options());
     handle.add_work(compat::reduce_scatter_single(*pg_, out, in, opts));
     if (direct && scale == 1.0) continue;
     Tensors dsts(shards.begin() + b, shards.begin() + e);

@@ -1,5 +1,4 @@
 // zeroshard._C.FlatParamLayout: the flat-parameter layout (csrc/flat/flat_layout.h) for the Python layer.
-#include "flat/buffer_cache.h"
 #include "flat/flat_layout.h"
 #include "python/bindings.h"
 
@@ -68,27 +67,6 @@ strides). dtype / device default to ``tensors[0]``'s. Raises RuntimeError on a c
            << ", padded_numel=" << l.padded_numel() << ", shard_numel=" << l.shard_numel() << ")";
         return os.str();
       });
-
-  m.def("cached_empty", &cached_empty, py::arg("numel"), py::arg("dtype"), R"doc(
-Uninitialised 1-D CPU tensor of ``numel`` elements whose (resizable) storage allocates from the process's buffer cache:
-memory freed by it (``untyped_storage().resize_(0)``, or the last reference dropped) is kept for the next allocation
-of the same byte size while the cache stays within its limit (:func:`set_buffer_cache_limit`), instead of going back
-to the OS and faulting in again. Raises ValueError for a negative numel.)doc");
-  m.def("set_buffer_cache_limit", &set_buffer_cache_limit, py::arg("bytes"),
-        "Bound of the buffer cache in bytes (>= 0; 0 caches nothing); lowering it frees cached blocks beyond it.");
-  m.def(
-      "buffer_cache_stats",
-      []() {
-        const BufferCacheStats s = buffer_cache_stats();
-        py::dict d;
-        d["limit_bytes"] = s.limit_bytes;
-        d["cached_bytes"] = s.cached_bytes;
-        d["hits"] = s.hits;
-        d["misses"] = s.misses;
-        return d;
-      },
-      "The buffer cache: dict with limit_bytes, cached_bytes (free, held), hits and misses (allocations served from "
-      "the cache or from fresh memory).");
 }
 
 }  // namespace zeroshard::python

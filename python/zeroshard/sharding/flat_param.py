@@ -100,18 +100,8 @@ class FlatParam:
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
-            if not keep_full and self.dtype == source_dtype:
-                # stage 3: freed and gathered again twice a step, so its memory comes from the buffer cache on the
-                # CPU; filled in place (a flattened copy beside it would hold two of the unit while a meta model
-                # materialises unit by unit)
-                source = self.full = self._reusable_empty(self.layout.padded_numel, self.dtype).zero_()
-                self.layout.copy_into(self.full, [p.detach() for p in params])
-            else:  # the master copies from the source's precision, not the compute dtype's
-                source = self.layout.flatten([p.detach() for p in params], source_dtype, self.device)
-                if keep_full:
-                    self.full = source if self.dtype == source_dtype else source.to(self.dtype)
-                else:
-                    self.full = self._reusable_empty(self.layout.padded_numel, self.dtype).copy_(source)
+            source = self.layout.flatten([p.detach() for p in params], source_dtype, self.device)
+            self.full = source if self.dtype == source_dtype else source.to(self.dtype)
             for p, view in zip(params, self.layout.views(self.full)):
                 p.data = view
             # Stage 3 keeps only the shard between uses: a tensor of its own, while `full` keeps its storage object
@@ -149,14 +139,6 @@ class FlatParam:
 
     # -- stage 3: full buffer on use only ------------------------------------------------------------------------------
 
-    def _reusable_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised buffer on :attr:`device` for memory that is freed and allocated again every step: on the
-        CPU from the buffer cache (``_C.cached_empty``: reused instead of faulted in afresh from the OS each time; the
-        GPU's caching allocator does the same for CUDA tensors)."""
-        if self.device.type == "cpu":
-            return _C.cached_empty(numel, dtype)
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
     @property
     def full_nbytes(self) -> int:
         return self.layout.padded_numel * self.full.element_size()
@@ -177,7 +159,7 @@ class FlatParam:
         except RuntimeError:
             # Not resizable: something outside holds the buffer (``p.numpy()`` inside gathered_parameters). Leave the
             # old memory to it and continue on a fresh storage (allocated, then released at once).
-            fresh = self._reusable_empty(self.layout.padded_numel, self.dtype)
+            fresh = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             fresh.untyped_storage().resize_(0)
             self.full = fresh
         nan = _nan(self.dtype, self.device)
@@ -289,10 +271,7 @@ class FlatParam:
     def full_grad_views(self) -> list[torch.Tensor]:
         """Per-parameter views of :attr:`full_grad`, allocating it (zeros) on first use."""
         if self.full_grad is None:
-            if self.keep_full:  # stages 1-2
-                self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-            else:  # stage 3: freed after every reduce-scatter
-                self.full_grad = self._reusable_empty(self.layout.padded_numel, self.grad_dtype).zero_()
+            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
             self._grad_views = self.layout.views(self.full_grad)
         return self._grad_views
 

@@ -17,9 +17,8 @@ slots hold :class:`~zeroshard.sharding.sharded_param.ShardedParameter` placehold
 unit on demand on every rank (a collective), whole-tensor writes land in the shard. The hooks are hidden from
 ``torch.compile`` (``torch.compiler.disable``): a compiled block graph-breaks at its hooks and compiles its body.
 
-Every gather is one bucketed all-gather (one collective) over the unit's flat parameters, on a process group of its
-own, carrying in every rank's row a tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every
-rank checks before using the buffer:
+Every gather is one bucketed all-gather over the unit's flat parameters, on a process group of its own, carrying a
+tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every rank checks before using the buffer:
 ranks that took different code paths end with an error naming every rank's unit, never training on parameters mixed
 across units (the failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is
 re-raised as a :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the unit, the step and the rank.
@@ -171,7 +170,6 @@ class ShardedUnits:
                 module.register_forward_hook(RuntimeHook(self._root_post_forward, "zeroshard::root_post_forward"))
             )
         _attach_slots(root, units, self)
-        _reserve_buffer_cache(units)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
         # mode: forwards hold collectives), and lets dynamo treat the modules as FSDP-managed ones (parameters are
         # graph inputs, so the swap between placeholders and parameters around each use is seen, not baked in).
@@ -570,23 +568,6 @@ class ShardedUnits:
     def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """The process group and device for the debug order check."""
         self._group, self._check_device, self._gather_count = group, device, 0
-
-
-def _reserve_buffer_cache(units: list[Unit]) -> None:
-    """CPU: lets the buffer cache (``_C.cached_empty``) keep the memory of two units' gathers between uses: the full
-    buffers, the all-gather staging buffer and the full gradient buffers a unit frees every step and the next unit (of
-    the same size, in a transformer) takes again, instead of faulting fresh pages in twice a step. That memory stays
-    held between steps (as the GPU's caching allocator holds it). Raises the process-wide limit, never lowers it."""
-    sizes = []
-    for unit in units:
-        if unit.flat_params[0].device.type != "cpu":
-            continue
-        fulls = sum(fp.full_nbytes for fp in unit.flat_params)
-        grads = sum(fp.layout.padded_numel * fp.grad_dtype.itemsize for fp in unit.trainable)
-        sizes.append(2 * fulls + grads)  # full buffers, staging, full gradients
-    need = 2 * max(sizes, default=0)
-    if need > _C.buffer_cache_stats()["limit_bytes"]:
-        _C.set_buffer_cache_limit(need)
 
 
 def _registered(ph: ShardedParameter) -> bool:
