@@ -123,18 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=f"benchmarks/results/device_adam_{socket.gethostname()}.json")
     args = ap.parse_args(argv)
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
-    load_before = loadavg()
     rows = []
-    for device in devices:
-        for n in map(parse_size, args.sizes.split(",")):
-            for fmt in args.formats.split(","):
-                rows += measure(device, n, fmt, args.rounds)
-    print("| device | numel | format | impl | median ms | x eager | first call s |\n|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['device']} | {r['numel']:,} | {r['format']} | {r['impl']} | {r['median_ms']:.2f} | "
-              f"{r['x_eager']:.2f} | {r['first_call_s']:.1f} |")  # fmt: skip
-    load_after = loadavg()
-    print(f"loadavg before {load_before}, after {load_after}")
     result = {
         "benchmark": "device_adam",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -148,13 +137,23 @@ def main(argv=None) -> int:
         },  # fmt: skip
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
+        "loadavg_before": loadavg(),
         "rows": rows,
     }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    print("| device | numel | format | impl | median ms | x eager | first call s |\n|---|---|---|---|---|---|---|")
+    for device in devices:
+        for n in map(parse_size, args.sizes.split(",")):
+            for fmt in args.formats.split(","):
+                new = measure(device, n, fmt, args.rounds)
+                for r in new:
+                    print(f"| {r['device']} | {r['numel']:,} | {r['format']} | {r['impl']} | {r['median_ms']:.2f} | "
+                          f"{r['x_eager']:.2f} | {r['first_call_s']:.1f} |", flush=True)  # fmt: skip
+                rows += new
+                result["loadavg_after"] = loadavg()
+                path.write_text(json.dumps(result, indent=2) + "\n")  # after each measurement: a timeout keeps these
+    print(f"loadavg before {result['loadavg_before']}, after {result.get('loadavg_after')}")
     print(f"wrote {path}")
     return 0
 

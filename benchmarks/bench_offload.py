@@ -12,6 +12,8 @@ config's own and a crash loses only that config. Configs, in order:
   too and are uploaded per unit.
 * ``zeroshard_no_offload``: the same engine without offload (everything on the GPU): what offload costs.
   ``zeroshard_no_offload_fused`` steps its shards with ``AdamW(fused=True)``, as ``fsdp2_no_offload_fused`` does.
+  ``zeroshard_no_offload_bf16_state`` / ``_int8_state`` keep bf16 / block-wise int8 Adam moments on the GPU, stepped
+  by ``DeviceAdam`` (issue 19's device step), against ``zeroshard_no_offload_fused``.
 * ``deepspeed_opt_offload`` / ``deepspeed_opt_param_offload``: DeepSpeed's ZeRO-3 with ``offload_optimizer`` (and
   ``offload_param``) to pinned CPU memory, bf16, DeepSpeedCPUAdam (``benchmarks/deepspeed_zero3.py``). Skipped when
   ``deepspeed`` is not importable (it lives in the benchmark's own venv, see ``benchmarks/README.md``).
@@ -80,6 +82,8 @@ CONFIGS = {
     "pinned_copy": "1 GiB pinned host tensor <-> GPU, dst.copy_(src, non_blocking=True), CUDA events, median of 5",
     "zeroshard_no_offload": "ZeroEngine stage 3, no offload (bf16 params, fp32 master and AdamW on the GPU)",
     "zeroshard_no_offload_fused": "as zeroshard_no_offload with torch.optim.AdamW(fused=True) on the GPU shards",
+    "zeroshard_no_offload_bf16_state": "as zeroshard_no_offload with bf16 Adam moments (DeviceAdam on the GPU shards)",
+    "zeroshard_no_offload_int8_state": "as zeroshard_no_offload with block-wise int8 Adam moments (DeviceAdam)",
     "zeroshard_opt_offload": "ZeroEngine stage 3 + offload_optimizer (bf16 params on GPU; fp32 master + Adam on host)",
     "zeroshard_opt_param_offload": "ZeroEngine stage 3 + offload_optimizer + offload_params (bf16 params on host)",
     "deepspeed_opt_offload": "DeepSpeed ZeRO-3 + offload_optimizer to pinned CPU memory, bf16, DeepSpeedCPUAdam",
@@ -295,9 +299,10 @@ def setup_zeroshard(
     meta: bool = False,
     offload: bool = True,
     fused: bool = False,
+    state_dtype: object = None,
 ):
     """(params, engine, forward_backward, optimizer_step) for ZeRO stage 3 + optimizer (and parameter) offload, or
-    none (``offload=False``).
+    none (``offload=False``). ``state_dtype``: ``ZeroConfig.optimizer_state_dtype`` (None: fp32 moments).
 
     ``meta``: build the GPT under ``zeroshard.init_meta_context()`` and let the engine materialise it unit by unit on
     ``device`` (``max_model_size.py``: a model larger than the GPU); otherwise build it whole on ``device``.
@@ -308,6 +313,8 @@ def setup_zeroshard(
     from zeroshard import ZeroConfig, ZeroEngine, init_meta_context
 
     extra = {"offload_chunk_size": args.offload_chunk_size} if args.offload_chunk_size else {}
+    if state_dtype is not None:
+        extra["optimizer_state_dtype"] = state_dtype
     config = ZeroConfig(stage=3, offload_optimizer=offload, offload_params=offload_params, wrap_policy=Block,
                         reduce_dtype=torch.bfloat16 if args.reduce_dtype == "bf16" else None, **extra)  # fmt: skip
     if meta:
@@ -395,6 +402,13 @@ def train(args: argparse.Namespace, device, forward_backward: Callable, optimize
     return {"step_s": step_s, "optimizer_step_s": opt_s, "losses": losses}
 
 
+def state_dtype_of(name: str):
+    """``ZeroConfig.optimizer_state_dtype`` named by a config's ``_bf16_state`` / ``_int8_state`` suffix (else None)."""
+    import torch
+
+    return {"_bf16_state": torch.bfloat16, "_int8_state": "int8"}.get(name[name.rfind("_", 0, -6) :], None)
+
+
 def run_training(name: str, args: argparse.Namespace, device) -> dict:
     """Builds config ``name``, trains it, and returns its measurements."""
     import torch
@@ -403,8 +417,9 @@ def run_training(name: str, args: argparse.Namespace, device) -> dict:
     t = time.perf_counter()
     if name.startswith("zeroshard"):
         num_params, engine, forward_backward, optimizer_step = setup_zeroshard(
-            args, device, "param" in name, offload="no_offload" not in name, fused=name.endswith("fused")
-        )
+            args, device, "param" in name, offload="no_offload" not in name, fused=name.endswith("fused"),
+            state_dtype=state_dtype_of(name),
+        )  # fmt: skip
     elif name.startswith("deepspeed"):
         num_params, _, forward_backward, optimizer_step = deepspeed_zero3.setup(
             args, device, offload_params="param" in name, build_model=lambda: build_gpt(args, device), loss_of=loss_of
@@ -568,6 +583,8 @@ RATIOS = [
     ("zeroshard_no_offload", "fsdp2_no_offload"),
     ("zeroshard_no_offload", "fsdp2_no_offload_fused"),
     ("zeroshard_no_offload_fused", "fsdp2_no_offload_fused"),
+    ("zeroshard_no_offload_bf16_state", "zeroshard_no_offload_fused"),
+    ("zeroshard_no_offload_int8_state", "zeroshard_no_offload_fused"),
 ]
 
 

@@ -3,7 +3,8 @@ its host memory?
 
 Method: the GPT of the examples (``examples/gpt.py``) with n_head 16, n_embd 8192, block 512, vocab 50304, batch 1 and a
 growing number of layers. Host bytes per parameter are estimated as fp32 master 4 + Adam ``exp_avg`` 4 +
-``exp_avg_sq`` 4 + gradient shard 2 (``reduce_dtype`` bf16) + bf16 parameter shard 2 = 16, plus ``--overhead_gib``
+``exp_avg_sq`` 4 + gradient shard 2 (``reduce_dtype`` bf16) + bf16 parameter shard 2 = 16 (moments in bf16 with
+``--optimizer_state_dtype bf16``: 12; block-wise int8: 10), plus ``--overhead_gib``
 (CUDA context, torch, the upload buffers of the offload pipeline). The search starts at the largest n_layer whose
 estimate fits into 0.9 x ``psutil.virtual_memory().available`` (one layer above it first with ``--try_above``) and
 steps down by one layer after every failure, stopping at the first success. Each attempt is a subprocess (the script
@@ -50,6 +51,13 @@ import deepspeed_zero3  # noqa: E402
 GIB = 2**30
 MIB = 2**20
 HOST_BYTES_PER_PARAM = 4 + 4 + 4 + 2 + 2  # fp32 master, exp_avg, exp_avg_sq; bf16 gradient shard, bf16 param shard
+# by --optimizer_state_dtype: the moments' bytes (int8: 1 + 1, the block absmax scales' 8 per 2048 rounded away)
+STATE_BYTES_PER_PARAM = {"fp32": 8, "bf16": 4, "int8": 2}
+
+
+def host_bytes_per_param(args: argparse.Namespace) -> int:
+    """Host bytes per parameter of the estimate: :data:`HOST_BYTES_PER_PARAM` with the moments in their format."""
+    return HOST_BYTES_PER_PARAM - 8 + STATE_BYTES_PER_PARAM[args.optimizer_state_dtype]
 
 
 def count_params(args: argparse.Namespace, n_layer: int) -> int:
@@ -63,8 +71,8 @@ def count_params(args: argparse.Namespace, n_layer: int) -> int:
 
 
 def host_estimate(args: argparse.Namespace, n_layer: int) -> int:
-    """Estimated host bytes to train ``n_layer`` layers: 16 bytes per parameter plus the fixed overhead."""
-    return HOST_BYTES_PER_PARAM * count_params(args, n_layer) + int(args.overhead_gib * GIB)
+    """Estimated host bytes to train ``n_layer`` layers: :func:`host_bytes_per_param` each, plus the fixed overhead."""
+    return host_bytes_per_param(args) * count_params(args, n_layer) + int(args.overhead_gib * GIB)
 
 
 def candidates(args: argparse.Namespace, host_budget: int) -> tuple[list[int], int]:
@@ -95,7 +103,10 @@ def worker(args: argparse.Namespace) -> None:
             meta=True,
         )  # fmt: skip
     else:
-        num_params, engine, forward_backward, optimizer_step = bo.setup_zeroshard(args, device, True, meta=True)
+        state_dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[args.optimizer_state_dtype]
+        num_params, engine, forward_backward, optimizer_step = bo.setup_zeroshard(
+            args, device, True, meta=True, state_dtype=state_dtype
+        )
     setup_s = time.perf_counter() - t
     print(f"  n_layer {args.n_layer}: {num_params:,} params, setup {setup_s:.1f} s; host "
           f"{bo.host_peak_mib() / 1024:.1f} GiB peak so far", flush=True)  # fmt: skip
@@ -115,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
 # -- launcher ---------------------------------------------------------------------------------------------------------
 
 WORKER_ARGS = ("n_head", "n_embd", "block_size", "vocab_size", "batch_size", "steps", "lr", "seed", "reduce_dtype",
-               "offload_chunk_size", "system")  # fmt: skip
+               "offload_chunk_size", "system", "optimizer_state_dtype")  # fmt: skip
 
 
 def attempt(n_layer: int, args: argparse.Namespace, tmp: Path, timeout: float) -> dict:
@@ -176,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--reduce_dtype", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--optimizer_state_dtype", choices=list(STATE_BYTES_PER_PARAM), default="fp32",
+                   help="Adam moments' format on the host (ZeroConfig.optimizer_state_dtype)")  # fmt: skip
     p.add_argument("--offload_chunk_size", type=int, default=0, help="elements; 0 = the engine's default")
     p.add_argument("--timeout", type=float, default=240, help="seconds per attempt before its worker is killed")
     p.add_argument("--budget", type=float, default=300,
@@ -207,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     tries, fit = (fixed, None) if fixed else candidates(args, host_budget)
     print(f"GPT n_embd {args.n_embd}, n_head {args.n_head}, block {args.block_size}, vocab {args.vocab_size}, batch "
           f"{args.batch_size}, {args.steps} steps, {'CPU smoke' if args.smoke else 'CUDA'}; host available "
-          f"{available / GIB:.1f} GiB, budget 0.9 x that = {host_budget / GIB:.1f} GiB at {HOST_BYTES_PER_PARAM} "
-          f"bytes/param + {args.overhead_gib:g} GiB", flush=True)  # fmt: skip
+          f"{available / GIB:.1f} GiB, budget 0.9 x that = {host_budget / GIB:.1f} GiB at {host_bytes_per_param(args)} "
+          f"bytes/param ({args.optimizer_state_dtype} moments) + {args.overhead_gib:g} GiB", flush=True)  # fmt: skip
     if fit is not None:
         print(f"largest n_layer by the estimate: {fit} ({human(count_params(args, fit))} params, "
               f"{host_estimate(args, fit) / GIB:.1f} GiB); trying {tries[:6]}{' ...' if len(tries) > 6 else ''}",
@@ -216,9 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     default_out = tempfile.mkdtemp(prefix="max_model_size_smoke_") if args.smoke else bo.REPO / "benchmarks" / "results"
     out_dir = Path(args.out or default_out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.system == "deepspeed" and args.optimizer_state_dtype != "fp32":
+        raise SystemExit("error: --optimizer_state_dtype is zeroshard's setting: use it without --system deepspeed")
     if args.system == "deepspeed" and deepspeed_zero3.unavailable():
         raise SystemExit(f"error: --system deepspeed: {deepspeed_zero3.unavailable()}")
     system = "" if args.system == "zeroshard" else f"_{args.system}"
+    system += "" if args.optimizer_state_dtype == "fp32" else f"_{args.optimizer_state_dtype}_state"
     path = out_dir / f"max_model_size{system}{'_smoke' if args.smoke else ''}_{socket.gethostname()}.json"
     result = {
         "benchmark": "max_model_size",
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: v for k, v in vars(args).items() if not k.startswith("worker")},
         "machine": bo.machine() | {"host_available_gib": available / GIB, "load_average_start": os.getloadavg()},
         "versions": bo.versions(),
-        "host_bytes_per_param_estimate": HOST_BYTES_PER_PARAM,
+        "host_bytes_per_param_estimate": host_bytes_per_param(args),
         "host_budget_bytes": host_budget,
         "estimate_fit_n_layer": fit,
         "largest_ok": None,

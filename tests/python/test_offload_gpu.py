@@ -92,6 +92,30 @@ def test_offload_equals_the_run_without_offload(group, stage, offload_params, co
     engine.remove_hooks()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, "int8"], ids=str)
+def test_state_formats_step_on_the_gpu_as_the_offloaded_kernel_does(group, stage, state_dtype):
+    """Issue 19's device step: without offload, AdamW with bf16 / int8 moments becomes ``DeviceAdam`` on the GPU
+    master shards; with optimizer offload, the fused CPU kernel steps the host shards. Same formats, same bits per
+    step (``torch_state_step`` mirrors the kernel), so the two runs agree to the forward/backward's own rounding."""
+    from zeroshard import CPUAdam
+    from zeroshard.optim.device_adam import DeviceAdam
+
+    base = dict(stage=stage, wrap_policy=Block if stage == 3 else None, optimizer_state_dtype=state_dtype)
+    ref_losses, ref_params, ref = _train(ZeroConfig(**base, offload_optimizer=True), 8)
+    losses, params, engine = _train(ZeroConfig(**base), 8)
+    assert type(engine.optimizer) is DeviceAdam  # the offloaded run: the fused kernel's CPUAdam (not DeviceAdam)
+    assert isinstance(ref.optimizer, CPUAdam) and not isinstance(ref.optimizer, DeviceAdam)
+    code_dtype = torch.uint8 if state_dtype == "int8" else torch.bfloat16
+    states = [s for s in engine.optimizer.state.values() if s["exp_avg"].numel() >= 4096]
+    assert states and all(s["exp_avg"].is_cuda and s["exp_avg"].dtype == code_dtype for s in states)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-5)
+    for k in ref_params:
+        torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+    engine.remove_hooks()
+    ref.remove_hooks()
+
+
 def test_pinned_bytes_are_exact(group):
     before = _C.host_memory_stats()["pinned_bytes"]
     t = _C.empty_host(1_000_003, torch.bfloat16, True)
