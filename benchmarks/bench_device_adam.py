@@ -4,7 +4,8 @@ Issue 19 asks for the GPU step without offload "with torch.compile where it meas
 device present (the CPU always, CUDA when there is one), the time of one ``adam_step_torch`` over one fp32 parameter
 of N elements with fp32 / bf16 / int8 moments, eager and compiled (compile time reported apart, not in the step), in
 interleaved rounds (median); beside it the reference step of the device: the fused C++ kernel (``ops.adam_step``) on
-the CPU, torch's fused AdamW (fp32 state) on CUDA. Prints a table and writes JSON (command, machine, versions, load).
+the CPU, zeroshard's CUDA kernel (``ops.adam_step`` on CUDA tensors, every format) and torch's fused AdamW (fp32
+state) on CUDA. Prints a table and writes JSON (command, machine, versions, load).
 
     PYTHONPATH=python python benchmarks/bench_device_adam.py [--sizes 1M,4M] [--rounds 5] [--devices cpu,cuda]
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard import ops
+from zeroshard import _C, ops
 from zeroshard.optim.state_format import new_moments
 from zeroshard.optim.torch_state_step import adam_step_torch
 
@@ -41,7 +42,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_runs(device: str, n: int, fmt) -> dict:
+IMPLS = ("eager", "compiled", "cpu_adam_kernel", "cuda_kernel", "torch_fused_adamw")
+
+
+def make_runs(device: str, n: int, fmt, impls=IMPLS) -> dict:
     """name -> a function doing one step (state kept across calls: the steps count up)."""
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen).to(device)
@@ -67,16 +71,28 @@ def make_runs(device: str, n: int, fmt) -> dict:
             ops.adam_step(p, grad, st["exp_avg"], st["exp_avg_sq"], step=t[0], **HYPER, **absmax)
 
         runs["cpu_adam_kernel"] = kernel
-    elif fmt == torch.float32:
-        q = torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
-        q.grad = grad.clone()
-        opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01, fused=True)
-        runs["torch_fused_adamw"] = opt.step
-    return runs
+    else:
+        if _C.adam_cuda_available():  # zeroshard's CUDA kernel: ops.adam_step on CUDA tensors
+            p = torch.randn(n, generator=gen).to(device)
+            st = {k: v.to(device) for k, v in new_moments((n,), fmt).items()}
+            absmax = {k: st[k] for k in ("exp_avg_absmax", "exp_avg_sq_absmax") if k in st}
+            t = [0]
+
+            def cuda_kernel():
+                t[0] += 1
+                ops.adam_step(p, grad, st["exp_avg"], st["exp_avg_sq"], step=t[0], **HYPER, **absmax)
+
+            runs["cuda_kernel"] = cuda_kernel
+        if fmt == torch.float32:
+            q = torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
+            q.grad = grad.clone()
+            opt = torch.optim.AdamW([q], lr=1e-3, weight_decay=0.01, fused=True)
+            runs["torch_fused_adamw"] = opt.step
+    return {k: f for k, f in runs.items() if k in impls}
 
 
-def measure(device: str, n: int, fmt_name: str, rounds: int) -> list[dict]:
-    runs = make_runs(device, n, FORMATS[fmt_name])
+def measure(device: str, n: int, fmt_name: str, rounds: int, impls=IMPLS) -> list[dict]:
+    runs = make_runs(device, n, FORMATS[fmt_name], impls)
     first = {}
     for name, fn in runs.items():  # warm-up; the compiled one compiles here
         t0 = time.perf_counter()
@@ -91,7 +107,7 @@ def measure(device: str, n: int, fmt_name: str, rounds: int) -> list[dict]:
             fn()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    eager = statistics.median(times["eager"])
+    eager = statistics.median(times["eager"]) if "eager" in times else float("nan")
     return [
         {
             "device": device,
@@ -120,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="fp32,bf16,int8")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--devices", default="cpu,cuda")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {', '.join(IMPLS)}")
     ap.add_argument("--json", default=f"benchmarks/results/device_adam_{socket.gethostname()}.json")
     args = ap.parse_args(argv)
     devices = [d for d in args.devices.split(",") if d == "cpu" or torch.cuda.is_available()]
@@ -146,7 +163,7 @@ def main(argv=None) -> int:
     for device in devices:
         for n in map(parse_size, args.sizes.split(",")):
             for fmt in args.formats.split(","):
-                new = measure(device, n, fmt, args.rounds)
+                new = measure(device, n, fmt, args.rounds, args.impls.split(","))
                 for r in new:
                     print(f"| {r['device']} | {r['numel']:,} | {r['format']} | {r['impl']} | {r['median_ms']:.2f} | "
                           f"{r['x_eager']:.2f} | {r['first_call_s']:.1f} |", flush=True)  # fmt: skip

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "adam/adam_cuda.h"
 #include "adam/adam_detail.h"
 #include "adam/adam_kernel.h"
 
@@ -22,10 +23,25 @@ using adam_kernel::KernelFn;
 using adam_kernel::OutType;
 using adam_kernel::StateType;
 
-void check_tensor(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.defined(), "adam_step: ", name, " is an undefined tensor; pass a CPU tensor");
-  TORCH_CHECK(t.device().is_cpu(), "adam_step: ", name, " is on ", t.device(),
-              "; the fused CPU Adam needs CPU tensors (move it with .cpu(), or use a GPU optimizer)");
+// The device of one step: the CPU, or param's CUDA device where this build has the CUDA kernel (adam_cuda.h).
+c10::Device step_device(const at::Tensor& param) {
+  if (!param.defined() || !param.is_cuda()) return c10::Device(c10::kCPU);
+  TORCH_CHECK(cuda_step_available(), "adam_step: param is on ", param.device(),
+              "; this build of zeroshard has no CUDA parts (built against a CPU-only torch, or without nvcc): ",
+              "rebuild it with a CUDA torch and nvcc, or step CPU tensors");
+  return param.device();
+}
+
+void check_tensor(const at::Tensor& t, const char* name, const c10::Device& device = c10::Device(c10::kCPU)) {
+  TORCH_CHECK(t.defined(), "adam_step: ", name, " is an undefined tensor; pass a ", device.is_cpu() ? "CPU" : "CUDA",
+              " tensor");
+  if (device.is_cpu()) {
+    TORCH_CHECK(t.device().is_cpu(), "adam_step: ", name, " is on ", t.device(),
+                "; the fused CPU Adam needs CPU tensors (move it with .cpu(), or use a GPU optimizer)");
+  } else {
+    TORCH_CHECK(t.device() == device, "adam_step: ", name, " is on ", t.device(), " and param on ", device,
+                "; keep every tensor of one step on param's device");
+  }
   TORCH_CHECK(t.layout() == at::kStrided, "adam_step: ", name, " has layout ", t.layout(),
               "; only dense (strided) tensors are supported (convert with .to_dense())");
   TORCH_CHECK(t.is_contiguous(), "adam_step: ", name, " is not contiguous (sizes ", t.sizes(), ", strides ",
@@ -190,10 +206,11 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
                                    const std::optional<at::Tensor>& param_out, bool compute_grad_stats,
                                    std::optional<std::string_view> isa, const std::optional<AdamStateScales>& scales) {
   // --- Validate everything first: nothing is written unless every check passes.
-  check_tensor(param, "param");
-  check_tensor(grad, "grad");
-  check_tensor(exp_avg, "exp_avg");
-  check_tensor(exp_avg_sq, "exp_avg_sq");
+  const c10::Device device = step_device(param);
+  check_tensor(param, "param", device);
+  check_tensor(grad, "grad", device);
+  check_tensor(exp_avg, "exp_avg", device);
+  check_tensor(exp_avg_sq, "exp_avg_sq", device);
   TORCH_CHECK_TYPE(param.scalar_type() == at::kFloat || param.scalar_type() == at::kBFloat16,
                    "adam_step: param has dtype ", param.scalar_type(),
                    "; supported: float32 master weights (write a compute-dtype copy through ",
@@ -208,8 +225,8 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
                                              [](const char* key) { return std::string("adam_step: ") + key; });
   const bool int8_state = state_type == StateType::kInt8;
   if (int8_state) {
-    check_tensor(*m_absmax, "exp_avg_absmax");
-    check_tensor(*v_absmax, "exp_avg_sq_absmax");
+    check_tensor(*m_absmax, "exp_avg_absmax", device);
+    check_tensor(*v_absmax, "exp_avg_sq_absmax", device);
     const at::Tensor* others[] = {&param, &grad, &exp_avg, &exp_avg_sq};
     const char* names[] = {"param", "grad", "exp_avg", "exp_avg_sq"};
     for (int k = 0; k < 4; ++k) {
@@ -235,7 +252,7 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
   OutType out_type = OutType::kNone;
   if (param_out.has_value()) {
     const at::Tensor& out = *param_out;
-    check_tensor(out, "param_out");
+    check_tensor(out, "param_out", device);
     out_type = out_type_of(out);
     check_numel(out, "param_out", n);
     check_no_overlap(out, "param_out", param, "param");
@@ -244,7 +261,15 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
     check_no_overlap(out, "param_out", exp_avg_sq, "exp_avg_sq");
   }
   check_hyper(hyper);
-  const KernelFn kernel = kernel_for(resolve_cpu_isa(isa));
+  if (device.is_cuda()) {
+    TORCH_CHECK_VALUE(!isa.has_value(), "adam_step: isa='", isa.value_or(""),
+                      "' picks a CPU kernel build; drop it for CUDA tensors");
+    TORCH_CHECK_VALUE(!compute_grad_stats, "adam_step: grad_stats=True comes from the CPU kernel only; for CUDA ",
+                      "tensors take the norm with torch (torch.linalg.vector_norm)");
+    TORCH_CHECK_VALUE(!param_out.has_value(), "adam_step: param_out is written by the CPU kernel only; for CUDA ",
+                      "tensors copy the updated param (param_out.copy_(param))");
+  }
+  const KernelFn kernel = device.is_cuda() ? nullptr : kernel_for(resolve_cpu_isa(isa));
 
   // --- Run: fixed chunks, so the partial sums and their order do not depend on the thread count.
   Args args;
@@ -262,10 +287,14 @@ std::optional<GradStats> adam_step(const at::Tensor& param, const at::Tensor& gr
 
   const int64_t chunks = (n + kAdamChunk - 1) / kAdamChunk;
   std::vector<double> partial(compute_grad_stats ? chunks : 0, 0.0);
-  for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) {
-    const double s = kernel(args, begin, end, compute_grad_stats);
-    if (compute_grad_stats) partial[c] = s;
-  });
+  if (device.is_cuda()) {
+    run_cuda_step(args, n, device);  // asynchronous, on the device's current stream
+  } else {
+    for_each_chunk(n, [&](int64_t c, int64_t begin, int64_t end) {
+      const double s = kernel(args, begin, end, compute_grad_stats);
+      if (compute_grad_stats) partial[c] = s;
+    });
+  }
   bump_version(param);
   bump_version(exp_avg);
   bump_version(exp_avg_sq);

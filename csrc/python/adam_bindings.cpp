@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "adam/adam.h"
+#include "adam/adam_cuda.h"
 #include "adam/adam_group.h"
 #include "adam/cpu_isa.h"
 #include "python/bindings.h"
@@ -44,8 +45,10 @@ void bind_adam(py::module_& m) {
       py::arg("bias_correction"), py::arg("param_out") = py::none(), py::arg("compute_grad_stats") = false,
       py::arg("isa") = py::none(), py::arg("grad_unscale") = 1.0, py::arg("grad_clip") = 1.0,
       py::arg("exp_avg_absmax") = py::none(), py::arg("exp_avg_sq_absmax") = py::none(),
-      "Fused Adam/AdamW step in place on CPU tensors; see zeroshard.ops.adam_step. Returns None, or "
+      "Fused Adam/AdamW step in place on CPU (or CUDA) tensors; see zeroshard.ops.adam_step. Returns None, or "
       "(grad_sq_sum: float, found_inf: bool) when compute_grad_stats.");
+  m.def("adam_cuda_available", &adam_detail::cuda_step_available,
+        "Whether adam_step steps CUDA tensors in this build (its CUDA parts were compiled: a CUDA torch and nvcc).");
   py::class_<AdamGroup>(m, "AdamGroup", R"doc(
 The tensors of one param group of the fused CPU Adam, checked once: AdamGroup(params, exp_avgs, exp_avg_sqs, label,
 group_index, exp_avg_absmaxes=None, exp_avg_sq_absmaxes=None). Each list has one CPU, dense, contiguous tensor per

@@ -105,12 +105,18 @@ def adam_step(
     made. Threads: ``torch.get_num_threads()``, over fixed 64Ki-element chunks, so results do not depend on the
     thread count.
 
+    CUDA: where this build has its CUDA parts (``zeroshard._C.adam_cuda_available()``), all tensors may instead be
+    on one CUDA device: the step is then a CUDA kernel (``csrc/adam/adam_kernel_cuda.cu``) with the same bits as
+    the CPU kernel, launched on the device's current stream (asynchronous), without ``isa``, ``grad_stats`` or
+    ``param_out`` (ValueError).
+
     Returns:
         ``None``, or with ``grad_stats=True`` a tuple ``(grad_sq_sum, found_inf)``: the sum of squares of the
         upcast gradient (Python float, accumulated in double) and whether any gradient element is inf or NaN.
 
     Raises:
-        RuntimeError: a tensor is not on the CPU, not dense, not contiguous, or two tensors share memory.
+        RuntimeError: a tensor is not on the CPU (or not on param's CUDA device), not dense, not contiguous, or two
+            tensors share memory; CUDA tensors in a build without CUDA parts.
         TypeError: param not float32 or bfloat16, exp_avg/exp_avg_sq of different or unsupported dtypes (float32,
             bfloat16, uint8), an absmax not float32, grad or param_out of an unsupported dtype.
         ValueError: numel mismatch (an absmax must have ``ceil(numel / 2048)`` elements), absmax missing for uint8

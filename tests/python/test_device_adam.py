@@ -273,6 +273,12 @@ def test_cuda_step_equals_the_kernel_bit_for_bit(fmt, hyper):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured on an H100 (torch 2.11): the compiled int8 step differed from the eager one in 233 param "
+    "elements after 3 steps, so DeviceAdam steps CUDA parameters with the CUDA kernel; if this passes, the compiled "
+    "path has the same bits there too and DeviceAdam's docstring should say so",
+)
 def test_cuda_compiled_int8_step_has_the_same_bits():
     _compiled_equals_eager("int8", "cuda")
 

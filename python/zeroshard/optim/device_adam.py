@@ -1,7 +1,10 @@
-"""``DeviceAdam``: Adam/AdamW in fp32, bf16 or int8 state on the parameters' own device, stepped with torch ops.
+"""``DeviceAdam``: Adam/AdamW in fp32, bf16 or int8 state on the parameters' own device.
 
 The ZeRO engine steps fp32 master shards that live on the GPU (no ``offload_optimizer``) with it when the moments are
-to be kept in bf16 or int8 (:mod:`zeroshard.optim.engine_state_format`); any device works, so it is tested on CPU.
+to be kept in bf16 or int8 (:mod:`zeroshard.optim.engine_state_format`). On CUDA the step is zeroshard's CUDA kernel
+(``csrc/adam/adam_kernel_cuda.cu``, through :func:`zeroshard.ops.adam_step`); on any other device, or in a build
+without CUDA parts, the same step in torch ops (:mod:`zeroshard.optim.torch_state_step`), so it is tested on CPU.
+Both have the CPU kernel's bits.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Any
 
 import torch
 
+from zeroshard import _C, ops
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks
 from zeroshard.optim.state_format import ABSMAX_KEYS, MIN_8BIT_SIZE, new_moments
 from zeroshard.optim.torch_state_step import adam_step_torch, check_step_tensors
@@ -26,17 +30,19 @@ class DeviceAdam(CPUAdam):
     and dtypes (``step`` a plain number while training, ``exp_avg`` / ``exp_avg_sq`` in the format, int8 adds
     ``exp_avg_absmax`` / ``exp_avg_sq_absmax``), the same ``state_dict`` / ``load_state_dict`` conversions; so the
     engine's checkpoints, restore checks and consolidation treat both alike, and a state written by either steps in
-    the other. The moments live on each parameter's device. Each parameter is stepped by
-    :func:`~zeroshard.optim.torch_state_step.adam_step_torch` (torch ops; the fused kernel's bits, see there), in
-    the format its state's dtypes say: an int8 optimizer may hold fp32 moments for some parameters.
+    the other. The moments live on each parameter's device. Each parameter is stepped, in the format its state's
+    dtypes say (an int8 optimizer may hold fp32 moments for some parameters), by zeroshard's CUDA kernel where the
+    parameter is on a CUDA device and this build has it (:func:`zeroshard.ops.adam_step`; ``_C.adam_cuda_available()``),
+    else by :func:`~zeroshard.optim.torch_state_step.adam_step_torch` (torch ops). Both give the CPU kernel's bits.
 
     Args:
         params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, state_dtype, min_8bit_size,
             fp32_state_params: as :class:`CPUAdam`.
             Parameters: fp32 (or bf16, no master), dense, contiguous, on any device.
-        compile: keyword only; step each chunk through ``torch.compile`` (same bits; the first step of each format
-            compiles, about a minute for int8 on a 2-core CPU). Off by default: ``benchmarks/bench_device_adam.py``
-            measures where it is faster.
+        compile: keyword only; step the torch-ops path's chunks through ``torch.compile`` (the first step of each
+            format compiles, about a minute for int8 on a 2-core CPU). Same bits on the CPU (tested); on an H100 the
+            compiled int8 step differed from the eager one in some elements, so CUDA parameters keep the CUDA kernel
+            whatever this says. Off by default: ``benchmarks/bench_device_adam.py`` measures it.
 
     Raises:
         ValueError: as :class:`CPUAdam` (construction; a bad group hyperparameter or tensor at ``step``, before any
@@ -114,9 +120,14 @@ class DeviceAdam(CPUAdam):
                 except ValueError as e:
                     raise ValueError(f"DeviceAdam param {i} of group {gi}: {e}") from None
                 work.append((p, g, st, hyper))
+        native = _C.adam_cuda_available()
         for p, g, st, hyper in work:
             t = step_count(st["step"]) + 1
-            adam_step_torch(p.detach(), g.detach(), st, step=t, compile=getattr(self, "compile", False), **hyper)
+            if native and p.is_cuda:
+                absmax = {k: st[k] for k in ABSMAX_KEYS if k in st}
+                ops.adam_step(p.detach(), g.detach(), st["exp_avg"], st["exp_avg_sq"], step=t, **hyper, **absmax)
+            else:
+                adam_step_torch(p.detach(), g.detach(), st, step=t, compile=getattr(self, "compile", False), **hyper)
             st["step"] = t
             self.state[p] = st
         return loss
