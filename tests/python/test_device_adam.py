@@ -291,3 +291,28 @@ def test_new_state_follows_the_min_8bit_size_rule_like_cpu_adam():
     opt.step()
     assert opt.state[small]["exp_avg"].dtype == torch.float32 and "exp_avg_absmax" not in opt.state[small]
     assert opt.state[large]["exp_avg"].dtype == torch.uint8
+
+
+def test_a_native_kernel_is_trusted_only_after_it_agrees(monkeypatch):
+    """kernel_agrees (DeviceAdam's gate for the CUDA kernel), run here with the CPU kernel: the real one agrees;
+    one that is off by one ulp in the param is refused with a warning, once; nothing is modified either way."""
+    from zeroshard.optim import kernel_check
+
+    monkeypatch.setattr(kernel_check, "_VERDICTS", {})
+    n = 3 * 2048 + 777
+    p, g = torch.randn(n), torch.randn(n)
+    st = new_moments((n,), "int8")
+    before = [p.clone(), *(v.clone() for v in st.values())]
+    args = dict(step=1, lr=LR, **HYPER["adamw"])
+    assert kernel_check.kernel_agrees(ops.adam_step, p, g, st, **args)
+
+    def off_by_one_ulp(param, *a, **kw):
+        ops.adam_step(param, *a, **kw)
+        param.copy_(torch.nextafter(param, torch.full_like(param, float("inf"))))
+
+    g16 = g.bfloat16()  # another combination (grad dtype), so a fresh verdict
+    with pytest.warns(RuntimeWarning, match="differs from the reference step in 6921 elements"):
+        assert not kernel_check.kernel_agrees(off_by_one_ulp, p, g16, st, **args)
+    assert not kernel_check.kernel_agrees(off_by_one_ulp, p, g16, st, **args)  # remembered, no second warning
+    for a, b in zip([p, *st.values()], before):
+        assert_bits(a, b, "unchanged")

@@ -16,6 +16,7 @@ import torch
 
 from zeroshard import _C, ops
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks
+from zeroshard.optim.kernel_check import kernel_agrees
 from zeroshard.optim.state_format import ABSMAX_KEYS, MIN_8BIT_SIZE, new_moments
 from zeroshard.optim.torch_state_step import adam_step_torch, check_step_tensors
 
@@ -33,7 +34,9 @@ class DeviceAdam(CPUAdam):
     the other. The moments live on each parameter's device. Each parameter is stepped, in the format its state's
     dtypes say (an int8 optimizer may hold fp32 moments for some parameters), by zeroshard's CUDA kernel where the
     parameter is on a CUDA device and this build has it (:func:`zeroshard.ops.adam_step`; ``_C.adam_cuda_available()``),
-    else by :func:`~zeroshard.optim.torch_state_step.adam_step_torch` (torch ops). Both give the CPU kernel's bits.
+    else by :func:`~zeroshard.optim.torch_state_step.adam_step_torch` (torch ops). Both give the CPU kernel's bits;
+    the CUDA kernel is used on a device only once it gave the torch-ops step's bits there
+    (:func:`~zeroshard.optim.kernel_check.kernel_agrees`: a warning and the torch-ops step otherwise).
 
     Args:
         params, lr, betas, eps, weight_decay, adamw_mode, bias_correction, state_dtype, min_8bit_size,
@@ -123,7 +126,7 @@ class DeviceAdam(CPUAdam):
         native = _C.adam_cuda_available()
         for p, g, st, hyper in work:
             t = step_count(st["step"]) + 1
-            if native and p.is_cuda:
+            if native and p.is_cuda and kernel_agrees(ops.adam_step, p, g, st, step=t, **hyper):
                 absmax = {k: st[k] for k in ABSMAX_KEYS if k in st}
                 ops.adam_step(p.detach(), g.detach(), st["exp_avg"], st["exp_avg_sq"], step=t, **hyper, **absmax)
             else:
