@@ -1,6 +1,7 @@
 """``ZeroStrategy(stage="auto")`` chooses a state format when fp32 Adam moments fit no configuration.
 
-The planner input: 8 Linear(1024, 1024) layers (8.4M parameters) on two CPU ranks whose host memory is set between
+The planner input: 8 Linear(1024, 1024, bias=False) layers (8.4M parameters; no tensor under int8's min_8bit_size,
+so the formats differ only in the moments' bytes) on two CPU ranks whose host memory is set between
 the least that fits with int8 (resp. bf16) moments and the least that fits with fp32 moments, each found by bisection
 on the planner itself.
 """
@@ -19,7 +20,7 @@ from zeroshard.strategies.auto_plan import auto_config
 
 def _model():
     with torch.device("meta"):
-        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(8)])
 
 
 BASE = PRESETS["cpu"].with_(gpus_per_node=2, host_baseline=0.0)

@@ -10,7 +10,9 @@ params              compute-dtype parameters: whole at stages 1-2, this rank's s
 grads               stage 1: the whole gradient buffer (kept) + the fp32 gradient shard; stages 2-3: the fp32 shard;
                     with optimizer offload the shard lives on the host
 master              fp32 master shard, when it does not alias the parameter shard (compute dtype is not fp32)
-optimizer_state     Adam's exp_avg and exp_avg_sq shards (8 bytes per element; bf16 4, int8 2 + 8 per 2048)
+optimizer_state     Adam's exp_avg and exp_avg_sq shards (8 bytes per element; bf16 4, int8 2 + 8 per 2048; under
+                    int8 the parameters below ``min_8bit_size`` sit in flat parameters of their own with fp32 moments,
+                    as the engine builds them: ``optim/small_state.py``)
 buckets             the largest transient: gradient buckets in flight during backward (max_inflight + 1 full
                     buffers at stages 2-3), autograd's gradient of the largest parameter before the hook takes it, the
                     all-gather staging of several flat parameters after the step; with offload on a GPU, the gradient
@@ -64,7 +66,9 @@ class Training:
     ``optimizer_state_bytes``: bytes of optimizer state per trainable element (Adam's fp32 moments: 8), used unless
     ``optimizer_state_dtype`` names the fused Adam's state format (``ZeroConfig.optimizer_state_dtype``):
     ``torch.float32`` 8 bytes per element, ``torch.bfloat16`` 4, ``"int8"`` 2 plus one fp32 absmax per moment and
-    started block of 2048 elements of each shard (:func:`optimizer_state_bytes`). Raises ValueError for another value.
+    started block of 2048 elements of each shard (:func:`optimizer_state_bytes`); under int8, parameters of fewer
+    than ``min_8bit_size`` elements (``CPUAdam``'s default, bitsandbytes' 4096) go into flat parameters of their own
+    with fp32 moments, as the engine does. Raises ValueError for another value.
     """
 
     micro_batch: int = 1
@@ -75,6 +79,7 @@ class Training:
     activation_checkpointing: bool = False
     optimizer_state_bytes: int = 8
     optimizer_state_dtype: object = None
+    min_8bit_size: int = 4096
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 25_000_000
     max_inflight_buckets: int = 2
@@ -139,6 +144,7 @@ class FlatPlan:
     root: int  # stage 3: padded numel of the root unit's flat parameters (trainable + frozen)
     units: list[int]  # stage 3: padded numel per non-root unit (trainable + frozen)
     largest_param: int
+    fp32_state: list[bool] | None = None  # per trainable flat parameter: fp32 moments (int8 state's small tensors)
 
     @property
     def trainable_numel(self) -> int:
@@ -146,6 +152,14 @@ class FlatPlan:
 
     def shard(self, numel: int) -> int:
         return numel // self.k
+
+    def state_bytes(self, train: Training) -> float:
+        """Optimizer state bytes of this rank's trainable shards: :func:`optimizer_state_bytes`, with 8 per element
+        for the flat parameters that keep fp32 moments."""
+        small = self.fp32_state or [False] * len(self.trainable)
+        shards = [self.shard(n) for n in self.trainable]
+        fp32 = sum(s for s, f in zip(shards, small) if f)
+        return optimizer_state_bytes(train, [s for s, f in zip(shards, small) if not f]) + 8.0 * fp32
 
 
 def _padded(shapes: list[Shape], k: int, align: int) -> int:
@@ -159,22 +173,42 @@ def flat_plan(spec: ModelSpec, train: Training, layout: Layout, world: int) -> F
     align = max(1, train.align_bytes // train.compute_dtype.itemsize)
     shapes = spec.trainable_shapes()
     largest = max((_numel(s) for s in shapes), default=0)
+    # int8 state: the engine's apart rule (optim/small_state.py): parameters under min_8bit_size in flat parameters
+    # of their own, which keep fp32 moments
+    split = train.optimizer_state_dtype == "int8"
+
+    def small(shape: Shape) -> bool:
+        return split and _numel(shape) < train.min_8bit_size
+
     if layout.stage == 3:
-        trainable = [_padded(u.shapes, k, align) for u in spec.units]
-        frozen = [_padded(u.frozen, k, align) for u in spec.units]
-        per_unit = [t + f for t, f in zip(trainable, frozen)]
-        return FlatPlan(k, [t for t in trainable if t], [f for f in frozen if f], per_unit[0], per_unit[1:], largest)
-    buckets: list[list[Shape]] = []
-    size = 0
-    for s in reversed(shapes):  # the engine's plan_buckets: reverse registration order, cut at reduce_bucket_size
-        n = _numel(s)
-        if not buckets or size + n > train.reduce_bucket_size:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(s)
-        size += n
+        trainable, fp32_state, root = [], [], 0
+        units = []
+        for i, u in enumerate(spec.units):
+            parts = [[s for s in u.shapes if not small(s)], [s for s in u.shapes if small(s)]]
+            flats = [(_padded(part, k, align), is_small) for part, is_small in zip(parts, (False, True)) if part]
+            trainable += [n for n, _ in flats]
+            fp32_state += [is_small for _, is_small in flats]
+            total = sum(n for n, _ in flats) + _padded(u.frozen, k, align)
+            if i == 0:
+                root = total
+            else:
+                units.append(total)
+        frozen = [f for f in (_padded(u.frozen, k, align) for u in spec.units) if f]
+        return FlatPlan(k, trainable, frozen, root, units, largest, fp32_state)
+    # the engine's plan_buckets: reverse registration order, one open bucket per kind (set apart or not), each cut at
+    # reduce_bucket_size
+    buckets: list[tuple[list[Shape], bool]] = []
+    open_bucket: dict[bool, tuple[list[Shape], bool]] = {}
+    for s in reversed(shapes):
+        key = small(s)
+        bucket = open_bucket.get(key)
+        if bucket is None or sum(map(_numel, bucket[0])) + _numel(s) > train.reduce_bucket_size:
+            bucket = ([], key)
+            buckets.append(bucket)
+            open_bucket[key] = bucket
+        bucket[0].append(s)
     frozen = [sum(u.frozen_numel for u in spec.units)]
-    return FlatPlan(k, [_padded(b, k, align) for b in buckets], frozen, 0, [], largest)
+    return FlatPlan(k, [_padded(b, k, align) for b, _ in buckets], frozen, 0, [], largest, [f for _, f in buckets])
 
 
 def _allgather_staging(sizes: list[int], bucket_elems: int) -> int:
@@ -276,13 +310,13 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         staging = p * _allgather_staging(fp.trainable, train.allgather_bucket_size)
     if not off:
         dev["grads"] += 4.0 * shard_t
-        dev["optimizer_state"] = optimizer_state_bytes(train, [fp.shard(n) for n in fp.trainable])
+        dev["optimizer_state"] = fp.state_bytes(train)
         if p != 4:
             dev["master"] = 4.0 * shard_t
         dev["step_temp"] = 2 * 4.0 * shard_t  # torch's foreach AdamW: the denominator and the update
     else:
         host["master"] = 4.0 * shard_t
-        host["optimizer_state"] = optimizer_state_bytes(train, [fp.shard(n) for n in fp.trainable])
+        host["optimizer_state"] = fp.state_bytes(train)
         host["grads"] = float(g * shard_t)
         host["pinned_buffers"] = 2.0 * train.offload_chunk_size * 4
         if op:
