@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "adam/adam_state_format.h"
 #include "offload/host_memory.h"
 
 namespace zeroshard {
@@ -54,6 +55,16 @@ void HostAdamPipeline::validate(const std::vector<OffloadSegment>& segments) con
     check_tensor(s.exp_avg, at + "exp_avg", n, true);
     check_tensor(s.exp_avg_sq, at + "exp_avg_sq", n, true);
     check_tensor(s.grad, at + "grad", n, true);
+    if (s.exp_avg.scalar_type() == at::kByte || s.exp_avg_absmax.defined() || s.exp_avg_sq_absmax.defined()) {
+      const int64_t blocks = adam_quant_blocks(n);
+      check_tensor(s.exp_avg_absmax, at + "exp_avg_absmax", blocks, true);
+      check_tensor(s.exp_avg_sq_absmax, at + "exp_avg_sq_absmax", blocks, true);
+      for (const auto* t : {&s.master, &s.exp_avg, &s.exp_avg_sq, &s.grad}) {
+        check_no_overlap(s.exp_avg_absmax, at + "exp_avg_absmax", *t, "a state or grad tensor");
+        check_no_overlap(s.exp_avg_sq_absmax, at + "exp_avg_sq_absmax", *t, "a state or grad tensor");
+      }
+      check_no_overlap(s.exp_avg_absmax, at + "exp_avg_absmax", s.exp_avg_sq_absmax, at + "exp_avg_sq_absmax");
+    }
     TORCH_CHECK_VALUE(s.grad_ticket <= d2h_->last_ticket(), "HostAdamPipeline.step: ", at,
                       "grad_ticket=", s.grad_ticket, " was never issued by the d2h queue (last ticket ",
                       d2h_->last_ticket(), "); pass the ticket d2h.copy() returned, or 0");
@@ -84,13 +95,22 @@ void HostAdamPipeline::validate(const std::vector<OffloadSegment>& segments) con
     const auto empty = [](const at::Tensor& t) { return t.view(-1).narrow(0, 0, 0); };
     std::optional<at::Tensor> out;
     if (s.param_out.defined()) out = empty(s.param_out);
-    adam_step(empty(s.master), empty(s.grad), empty(s.exp_avg), empty(s.exp_avg_sq), s.hyper, out);
+    std::optional<AdamStateScales> scales;
+    if (s.exp_avg_absmax.defined()) scales = AdamStateScales{empty(s.exp_avg_absmax), empty(s.exp_avg_sq_absmax)};
+    adam_step(empty(s.master), empty(s.grad), empty(s.exp_avg), empty(s.exp_avg_sq), s.hyper, out, false, std::nullopt,
+              scales);
   }
+}
+
+int64_t HostAdamPipeline::int8_chunk_elems() const {
+  return std::max(kAdamQuantBlock, chunk_elems_ / kAdamQuantBlock * kAdamQuantBlock);
 }
 
 at::Tensor HostAdamPipeline::upload_chunk(int slot, at::ScalarType dtype, int64_t n) {
   at::Tensor& buf = upload_[slot];
-  if (!buf.defined()) buf = empty_host(chunk_elems_ * kMaxElemBytes, at::kByte, pin_);
+  // chunk_elems, or one int8 chunk when that is larger (chunk_elems under one 2048-element block)
+  const int64_t elems = std::max(chunk_elems_, n);
+  if (!buf.defined() || buf.numel() < elems * kMaxElemBytes) buf = empty_host(elems * kMaxElemBytes, at::kByte, pin_);
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(dtype));
   return buf.narrow(0, 0, n * itemsize).view(dtype);
 }
@@ -107,9 +127,11 @@ std::optional<GradStats> HostAdamPipeline::step(const std::vector<OffloadSegment
     const at::Tensor grad = s.grad.view(-1);
     const at::Tensor param_out = s.param_out.defined() ? s.param_out.view(-1) : at::Tensor();
     const at::Tensor device_param = s.device_param.defined() ? s.device_param.view(-1) : at::Tensor();
+    const bool int8_state = s.exp_avg_absmax.defined();
+    const int64_t chunk = int8_state ? int8_chunk_elems() : chunk_elems_;
     d2h_->synchronize(s.grad_ticket);
-    for (int64_t c0 = 0; c0 < n; c0 += chunk_elems_, ++k) {
-      const int64_t len = std::min(chunk_elems_, n - c0);
+    for (int64_t c0 = 0; c0 < n; c0 += chunk, ++k) {
+      const int64_t len = std::min(chunk, n - c0);
       const int slot = static_cast<int>(k % 2);
       std::optional<at::Tensor> out;
       if (device_param.defined()) {
@@ -118,8 +140,13 @@ std::optional<GradStats> HostAdamPipeline::step(const std::vector<OffloadSegment
       } else if (param_out.defined()) {
         out = param_out.narrow(0, c0, len);
       }
+      std::optional<AdamStateScales> scales;
+      if (int8_state) {  // c0 is a multiple of the block: this chunk's blocks are a slice of the segment's
+        const int64_t b0 = c0 / kAdamQuantBlock, blocks = adam_quant_blocks(len);
+        scales = AdamStateScales{s.exp_avg_absmax.narrow(0, b0, blocks), s.exp_avg_sq_absmax.narrow(0, b0, blocks)};
+      }
       const auto stats = adam_step(master.narrow(0, c0, len), grad.narrow(0, c0, len), m.narrow(0, c0, len),
-                                   v.narrow(0, c0, len), s.hyper, out, compute_grad_stats);
+                                   v.narrow(0, c0, len), s.hyper, out, compute_grad_stats, std::nullopt, scales);
       if (stats) {
         total.grad_sq_sum += stats->grad_sq_sum;
         total.found_inf = total.found_inf || stats->found_inf;

@@ -18,12 +18,20 @@ namespace py = pybind11;
 namespace {
 
 // (master, exp_avg, exp_avg_sq, grad, grad_ticket, param_out, device_param, step, lr, beta1, beta2, eps,
-//  weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip)
+//  weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip[, exp_avg_absmax, exp_avg_sq_absmax])
 using SegmentTuple =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, std::optional<at::Tensor>,
                std::optional<at::Tensor>, int64_t, double, double, double, double, double, bool, bool, double, double>;
+constexpr size_t kSegmentFields = std::tuple_size_v<SegmentTuple>;
 
-OffloadSegment to_segment(const SegmentTuple& t) {
+// The 17 fields, plus the two absmax tensors of int8 state (uint8 moments) when the tuple has 19.
+OffloadSegment to_segment(const py::tuple& item) {
+  TORCH_CHECK_VALUE(item.size() == kSegmentFields || item.size() == kSegmentFields + 2,
+                    "HostAdamPipeline.step: a segment has ", item.size(), " fields; pass ", kSegmentFields,
+                    " (see the docstring), plus exp_avg_absmax and exp_avg_sq_absmax for int8 state");
+  py::tuple head(kSegmentFields);
+  for (size_t i = 0; i < kSegmentFields; ++i) head[i] = item[i];
+  const auto t = head.cast<SegmentTuple>();
   OffloadSegment s;
   s.master = std::get<0>(t);
   s.exp_avg = std::get<1>(t);
@@ -34,6 +42,10 @@ OffloadSegment to_segment(const SegmentTuple& t) {
   if (std::get<6>(t)) s.device_param = *std::get<6>(t);
   s.hyper = AdamHyper{std::get<7>(t),  std::get<8>(t),  std::get<9>(t),  std::get<10>(t), std::get<11>(t),
                       std::get<12>(t), std::get<13>(t), std::get<14>(t), std::get<15>(t), std::get<16>(t)};
+  if (item.size() == kSegmentFields + 2) {
+    s.exp_avg_absmax = item[kSegmentFields].cast<at::Tensor>();
+    s.exp_avg_sq_absmax = item[kSegmentFields + 1].cast<at::Tensor>();
+  }
   return s;
 }
 
@@ -88,7 +100,7 @@ chunks of chunk_elems elements, and uploads the new weights through two staging 
            py::arg("h2d"), py::arg("chunk_elems"), py::arg("pin"))
       .def(
           "step",
-          [](HostAdamPipeline& self, const std::vector<SegmentTuple>& segments,
+          [](HostAdamPipeline& self, const std::vector<py::tuple>& segments,
              bool compute_grad_stats) -> std::optional<std::tuple<double, bool>> {
             std::vector<OffloadSegment> segs;
             segs.reserve(segments.size());
@@ -105,9 +117,12 @@ chunks of chunk_elems elements, and uploads the new weights through two staging 
 segments: list of (master, exp_avg, exp_avg_sq, grad, grad_ticket, param_out or None, device_param or None, step, lr,
 beta1, beta2, eps, weight_decay, adamw_mode, bias_correction, grad_unscale, grad_clip): the last two multiply the
 gradient in the kernel (1.0: no scaling; see adam_step). Returns None, or (grad_sq_sum, found_inf) when
-compute_grad_stats. Everything is validated before anything is written.)doc")
+compute_grad_stats. int8 state (uint8 moments): two more fields, exp_avg_absmax and exp_avg_sq_absmax (fp32, CPU,
+ceil(numel / 2048) each, updated in place); such a segment steps in chunks of int8_chunk_elems (whole blocks).
+Everything is validated before anything is written.)doc")
       .def("upload_buffer_bytes", &HostAdamPipeline::upload_buffer_bytes)
-      .def_property_readonly("chunk_elems", &HostAdamPipeline::chunk_elems);
+      .def_property_readonly("chunk_elems", &HostAdamPipeline::chunk_elems)
+      .def_property_readonly("int8_chunk_elems", &HostAdamPipeline::int8_chunk_elems);
 }
 
 }  // namespace zeroshard::python

@@ -4,14 +4,17 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "adam/adam.h"
+#include "adam/adam_state_format.h"
 #include "offload/copy_queue.h"
 #include "offload/host_memory.h"
 #include "offload/offload_pipeline.h"
@@ -249,6 +252,59 @@ std::string case_name(const ::testing::TestParamInfo<PipelineCase>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, PipelineTest, ::testing::ValuesIn(pipeline_cases()), case_name);
+
+// int8 state: chunks of whole 2048-element blocks (chunk_elems rounded down, at least one block), each chunk's absmax
+// a slice of the segment's; the result equals one adam_step over the whole segment, an fp32 segment beside it too.
+TEST(HostAdamPipeline, Int8StateEqualsWholeSegmentAdam) {
+  for (const int64_t chunk : {int64_t{1}, int64_t{3000}, int64_t{8192}}) {
+    auto q = make_copy_queue(c10::Device(c10::kCPU));
+    HostAdamPipeline pipeline(q, q, chunk, /*pin=*/false);
+    EXPECT_EQ(pipeline.int8_chunk_elems(), std::max<int64_t>(2048, chunk / 2048 * 2048));
+    std::vector<OffloadSegment> segs;
+    std::vector<std::vector<at::Tensor>> refs;
+    const std::vector<int64_t> sizes = {5000, 2048, 7, 3001};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const int64_t n = sizes[i];
+      const bool int8 = i != 3;  // the last one keeps fp32 moments
+      const SegmentData d = make_segment(n, at::kBFloat16, 200 + i);
+      std::vector<at::Tensor> state = {d.master, d.m, d.v};
+      if (int8) {
+        const int64_t blocks = (n + 2047) / 2048;
+        state = {d.master, at::randint(0, 256, {n}, at::kByte), at::randint(1, 256, {n}, at::kByte),
+                 at::rand({blocks}) * 0.1, at::rand({blocks}) * 0.01};
+      }
+      OffloadSegment s;
+      s.master = state[0].clone();
+      s.exp_avg = state[1].clone();
+      s.exp_avg_sq = state[2].clone();
+      if (int8) {
+        s.exp_avg_absmax = state[3].clone();
+        s.exp_avg_sq_absmax = state[4].clone();
+      }
+      s.grad = d.grad;
+      s.hyper = hyper_for(static_cast<int>(i));
+      s.device_param = at::zeros({n}, at::kBFloat16);
+      segs.push_back(s);
+      std::vector<at::Tensor> r;
+      for (const auto& t : state) r.push_back(t.clone());
+      std::optional<AdamStateScales> scales;
+      if (int8) scales = AdamStateScales{r[3], r[4]};
+      adam_step(r[0], d.grad, r[1], r[2], s.hyper, std::nullopt, false, std::nullopt, scales);
+      refs.push_back(r);
+    }
+    pipeline.step(segs, /*compute_grad_stats=*/false);
+    q->synchronize(q->last_ticket());
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const OffloadSegment& s = segs[i];
+      const std::vector<at::Tensor> got = {s.master, s.exp_avg, s.exp_avg_sq, s.exp_avg_absmax, s.exp_avg_sq_absmax};
+      for (size_t k = 0; k < refs[i].size(); ++k) {
+        EXPECT_TRUE(bitwise_equal(got[k], refs[i][k])) << "chunk " << chunk << " segment " << i << " tensor " << k;
+      }
+      EXPECT_TRUE(bitwise_equal(s.device_param, refs[i][0].to(at::kBFloat16))) << "segment " << i << " upload";
+    }
+    EXPECT_EQ(pipeline.upload_buffer_bytes(), 2 * 4 * std::max<int64_t>(chunk, 2048));
+  }
+}
 
 TEST(HostAdamPipeline, ValidatesBeforeWriting) {
   auto q = make_copy_queue(c10::Device(c10::kCPU));

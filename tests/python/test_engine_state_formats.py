@@ -120,15 +120,16 @@ def test_strategies_take_the_setting():
 
 @pytest.mark.parametrize("chunk", [1, 3000, 4096, 1 << 20])
 def test_int8_offload_step_equals_one_kernel_call(chunk):
-    """The chunked host step of int8 state (``QuantizedHostStep``; chunks rounded down to whole blocks) equals one
-    ``adam_step`` over each whole segment bit for bit: weights, codes, absmax and the uploaded compute-dtype copy."""
+    """The offload pipeline's chunked host step of int8 state (``_C.HostAdamPipeline``; chunks rounded down to whole
+    blocks) equals one ``adam_step`` over each whole segment bit for bit: weights, codes, absmax and the uploaded
+    compute-dtype copy; an fp32 segment in the same step keeps ``chunk`` elements per chunk."""
     from zeroshard import _C
-    from zeroshard.offload.quantized_step import QuantizedHostStep, QuantSegment
     from zeroshard.ops import adam_step, quantize_state
 
     g = torch.Generator().manual_seed(3)
     q = _C.make_copy_queue(torch.device("cpu"))
-    step = QuantizedHostStep(q, _C.make_copy_queue(torch.device("cpu")), chunk, pin=False)
+    step = _C.HostAdamPipeline(q, _C.make_copy_queue(torch.device("cpu")), chunk, False)
+    assert step.int8_chunk_elems == max(2048, chunk // 2048 * 2048)
     segments, refs = [], []
     for n in (5000, 2048, 7):
         master = torch.randn(n, generator=g)
@@ -138,16 +139,24 @@ def test_int8_offload_step_equals_one_kernel_call(chunk):
         mine = [t.clone() for t in (master, mq, vq, ma, va)]
         out = torch.zeros(n, dtype=torch.bfloat16)
         hyper = (3, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, True, 1.0, 1.0)
-        segments.append(QuantSegment((mine[0], mine[1], mine[2], grad, 0, None, out, *hyper), mine[3], mine[4]))
+        segments.append((mine[0], mine[1], mine[2], grad, 0, None, out, *hyper, mine[3], mine[4]))
         ref = [t.clone() for t in (master, mq, vq, ma, va)]
         ref_out = torch.zeros(n, dtype=torch.bfloat16)
         adam_step(ref[0], grad, ref[1], ref[2], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                   adamw_mode=True, bias_correction=True, param_out=ref_out, exp_avg_absmax=ref[3],
                   exp_avg_sq_absmax=ref[4])  # fmt: skip
         refs.append((mine, out, ref, ref_out))
+    n = 3001  # an fp32 segment between the int8 ones
+    master, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    fp32 = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    segments.insert(1, (*fp32, grad, 0, None, None, *hyper))
     step.step(segments)
+    ref = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    adam_step(*ref[:1], grad, *ref[1:], step=3, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+              adamw_mode=True, bias_correction=True)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(fp32, ref))
     for mine, out, ref, ref_out in refs:
         for a, b in zip(mine, ref):
             assert torch.equal(a, b)
         assert torch.equal(out, ref_out) and out.abs().sum() > 0
-    assert step.upload_buffer_bytes() == 2 * 4 * max(2048, chunk // 2048 * 2048)
+    assert step.upload_buffer_bytes() == 2 * 4 * max(2048, chunk)

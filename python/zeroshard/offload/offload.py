@@ -40,7 +40,7 @@ import torch
 
 from zeroshard import _C
 from zeroshard.offload.overlap import EarlyStepper
-from zeroshard.offload.quantized_step import QuantizedHostStep, QuantSegment
+from zeroshard.ops import QUANT_BLOCK
 from zeroshard.optim.cpu_adam import CPUAdam, _check_group, run_closure, step_count, step_hooks, step_hyper
 from zeroshard.optim.state_format import moment_bytes, new_moments
 from zeroshard.sharding.flat_param import FlatParam
@@ -60,14 +60,15 @@ def host_bytes_needed(
     ``exp_avg_sq`` in the flat parameter's state format (``zeroshard.optim.state_format.moment_bytes``: fp32 8, bf16
     4, int8 2 plus 8 per block of 2048 of the shard) and the gradient shard (``grad_bytes``); the compute-dtype
     parameter shard (``param_bytes``) per shard element with parameter offload (frozen ones too); and the two upload
-    buffers (``chunk_elems`` * 4 bytes each; the int8 step's own two, :mod:`zeroshard.offload.quantized_step`, are
-    the same size and replace them).
+    buffers (``chunk_elems`` * 4 bytes each; at least one 2048-element int8 block's when a shard has int8 state:
+    ``_C.HostAdamPipeline.int8_chunk_elems``).
 
     Args:
         shard_numels: ``(shard elements, trainable)`` or ``(shard elements, trainable, state format)`` per flat
             parameter (format default ``torch.float32``).
     """
-    total = 2 * chunk_elems * 4
+    int8 = any(fmt and fmt[0] == "int8" for _, trainable, *fmt in shard_numels if trainable)
+    total = 2 * max(chunk_elems, QUANT_BLOCK if int8 else 1) * 4
     for numel, trainable, *fmt in shard_numels:
         if trainable:
             total += numel * (4 + grad_bytes) + moment_bytes(numel, fmt[0] if fmt else torch.float32)
@@ -120,7 +121,6 @@ class OptimizerOffload:
         self.d2h = _C.make_copy_queue(device)
         self.h2d = _C.make_copy_queue(device)
         self.pipeline = _C.HostAdamPipeline(self.d2h, self.h2d, chunk_elems, pin)
-        self.quantized = QuantizedHostStep(self.d2h, self.h2d, chunk_elems, pin)  # int8 state (no C++ pipeline)
         self.host_grads = {id(fp): _C.empty_host(fp.layout.shard_numel, fp.grad_shard_dtype, pin) for fp in flat_params}
         self._tickets: dict[int, int] = {}  # id(flat_param) -> d2h ticket of its gradient in this step
         self.global_scale_expected = False
@@ -178,34 +178,25 @@ class OptimizerOffload:
 
     def segment(
         self, fp: FlatParam, state: dict[str, Any], group: dict[str, Any], scale: tuple[float, float] = (1.0, 1.0)
-    ) -> tuple | QuantSegment:
-        """One flat parameter's work for :meth:`step`: where the updated weights go depends on where the parameter
-        shard lives (the host shard itself with parameter offload, else uploaded into the shard). ``scale``:
-        ``(grad_unscale, grad_clip)`` the kernel multiplies the gradient by. fp32 / bf16 moments: a
-        ``_C.HostAdamPipeline`` segment tuple; int8 moments (uint8 codes): a :class:`QuantSegment` with the absmax."""
+    ) -> tuple:
+        """One flat parameter's ``_C.HostAdamPipeline`` segment tuple for :meth:`step`: where the updated weights go
+        depends on where the parameter shard lives (the host shard itself with parameter offload, else uploaded into
+        the shard). ``scale``: ``(grad_unscale, grad_clip)`` the kernel multiplies the gradient by. int8 moments
+        (uint8 codes) add their two absmax tensors."""
         param_out = fp.shard if fp.host_shard else None
         device_param = None if fp.host_shard else fp.shard
         grad = self.host_grads[id(fp)]
         seg = (fp.master.detach(), state["exp_avg"], state["exp_avg_sq"], grad, self._tickets[id(fp)], param_out,
                device_param, *step_hyper(state, group), *scale)  # fmt: skip
         if state["exp_avg"].dtype == torch.uint8:
-            return QuantSegment(seg, state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
+            return (*seg, state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
         return seg
 
     def step(self, segments: list) -> None:
-        """Steps ``segments`` (from :meth:`segment`): those with fp32 / bf16 moments through
-        ``_C.HostAdamPipeline``, then those with int8 moments through
-        :class:`~zeroshard.offload.quantized_step.QuantizedHostStep` (one optimizer holds both under int8: flat
-        parameters of small parameters keep fp32 moments, ``CPUAdam.min_8bit_size``). Each segment is stepped once,
-        whatever the split; both walks order their uploads on the same ``h2d`` queue."""
-        quantized = [s for s in segments if isinstance(s, QuantSegment)]
-        if quantized:
-            plain = [s for s in segments if not isinstance(s, QuantSegment)]
-            if plain:
-                self.pipeline.step(plain, False)
-            self.quantized.step(quantized)
-        else:
-            self.pipeline.step(segments, False)
+        """Steps ``segments`` (from :meth:`segment`) through ``_C.HostAdamPipeline``, in order: fp32, bf16 and int8
+        moments alike (one optimizer holds fp32 and int8 under int8: flat parameters of small parameters keep fp32
+        moments, ``CPUAdam.min_8bit_size``)."""
+        self.pipeline.step(segments, False)
 
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Bytes the copy queues moved and the time the copies took (device time on CUDA) since the last reset."""
@@ -227,11 +218,10 @@ class OffloadedAdam(CPUAdam):
     copy fills (in ``reduce_dtype``, which may be bf16/fp16: the kernel upcasts while loading). The optimizer state
     (``step`` a plain number, ``exp_avg`` and ``exp_avg_sq`` in ``state_dtype``, torch's keys; int8 adds the absmax
     tensors) is created when the optimizer is built, so the host memory is taken, and checked, before training
-    starts. With fp32 state ``state_dict()`` loads into ``torch.optim.AdamW`` and back. fp32 and bf16 moments are
-    stepped by ``_C.HostAdamPipeline``; int8 moments by :class:`~zeroshard.offload.quantized_step.QuantizedHostStep`
-    (the same kernel through ``zeroshard.ops.adam_step``, chunked on block boundaries). Under int8 the masters in
-    ``fp32_state_params`` (the engine's flat parameters of small parameters) keep fp32 moments, stepped by the
-    pipeline in the same :meth:`step`.
+    starts. With fp32 state ``state_dict()`` loads into ``torch.optim.AdamW`` and back. Every format steps through
+    ``_C.HostAdamPipeline`` (int8 in chunks of whole 2048-element blocks). Under int8 the masters in
+    ``fp32_state_params`` (the engine's flat parameters of small parameters) keep fp32 moments, in the same
+    :meth:`step`.
 
     Args:
         param_groups: groups over the master shards (as ``CPUAdam``).
