@@ -327,31 +327,67 @@ KILLS = [
 ]
 
 
-@pytest.mark.parametrize("spec, link, tag, version, source", KILLS, ids=[k[0] + "_link" * k[1] for k in KILLS])
-def test_a_kill_at_each_save_step_loads_the_old_or_the_new_checkpoint(tmp_path, spec, link, tag, version, source):
-    _killed_run(["killsave", str(tmp_path), spec] + (["link"] if link else []))
-    out = run_ranks(SCRIPT, ["load", str(tmp_path)], timeout=TIMEOUT)
-    assert f"LOADED {tag}" in out[0]  # parameters and optimizer state equal the reference exactly (checked there)
-    assert f"loaded sharded checkpoint {tmp_path / source}, version {version} (" in out[0]
-    after = eval(re.search(r"AFTER (\[.*\])", out[0]).group(1))
+KILL_IDS = [k[0] + "_link" * k[1] for k in KILLS]
+LEGACY = "legacy"  # the case of test_the_single_version_layout_loads_and_is_replaced_by_versions
+
+
+@pytest.fixture(scope="module")
+def loads(clean, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """Case -> (its OUT directory, rank 0's output of loading OUT/ck then saving over it), or the error of its killed
+    save. Each kill needs a launch of its own (it ends the process group); the loads share one launch."""
+    root = tmp_path_factory.mktemp("loads")
+    outs, failed = {}, {}
+    for i, ((spec, link, *_), case) in enumerate(zip(KILLS, KILL_IDS)):
+        out = root / f"kill{i}"
+        out.mkdir()
+        try:
+            _killed_run(["killsave", str(out), spec] + (["link"] if link else []))
+            outs[case] = out
+        except (AssertionError, pytest.fail.Exception) as e:  # reported by this case's test alone
+            failed[case] = e
+    legacy = root / LEGACY
+    legacy.mkdir()
+    make_legacy(clean / "ck", legacy / "ck")
+    adopt_checkpoint(legacy / "ck")  # it has no manifest: adopted by hand first (zeroshard.checkpoint.adopt)
+    for ref in ("A.pt", "B.pt"):
+        shutil.copy(clean / ref, legacy / ref)
+    outs[LEGACY] = legacy
+    text = run_ranks(SCRIPT, ["load", *map(str, outs.values())], timeout=2 * TIMEOUT)[0]
+    sections = re.split(r"^CASE (.*)$", text, flags=re.M)
+    by_dir = {Path(sections[i]): sections[i + 1] for i in range(1, len(sections), 2)}
+    missing = f"no CASE line in:\n{text[-3000:]}"
+    return {**{case: (out, by_dir.get(out, missing)) for case, out in outs.items()}, **failed}
+
+
+def _load_of(loads, case: str) -> tuple[Path, str]:
+    got = loads[case]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+@pytest.mark.parametrize(
+    "case, spec, link, tag, version, source", [(c, *k) for c, k in zip(KILL_IDS, KILLS)], ids=KILL_IDS
+)
+def test_a_kill_at_each_save_step_loads_the_old_or_the_new_checkpoint(loads, case, spec, link, tag, version, source):
+    tmp_path, out0 = _load_of(loads, case)
+    assert f"LOADED {tag}" in out0, out0  # parameters and optimizer state equal the reference exactly (checked there)
+    assert f"loaded sharded checkpoint {tmp_path / source}, version {version} (" in out0
+    after = eval(re.search(r"AFTER (\[.*\])", out0).group(1))
     versions = [e for e in after if re.fullmatch(r"v\d{5}", e)]
     assert after == ["LATEST", *versions], after  # no temporary pointer left
     # the later save kept the version it replaced and its own, and deleted the crash's uncommitted leftovers
     assert len(versions) == (1 if link and tag == "A" else 2) and (link and tag == "A" or versions[0] == version)
-    parent = eval(re.search(r"AFTER_PARENT (\[.*\])", out[0]).group(1))
+    parent = eval(re.search(r"AFTER_PARENT (\[.*\])", out0).group(1))
     assert "ck.partial" not in parent
     if link:
         assert verify(tmp_path / "real") and read_trainer_state(tmp_path / "real") == {"tag": "A"}  # target untouched
 
 
-def test_the_single_version_layout_loads_and_is_replaced_by_versions(clean, tmp_path):
-    make_legacy(clean / "ck", tmp_path / "ck")
-    adopt_checkpoint(tmp_path / "ck")  # it has no manifest: adopted by hand first (zeroshard.checkpoint.adopt)
-    for ref in ("A.pt", "B.pt"):
-        shutil.copy(clean / ref, tmp_path / ref)
-    out = run_ranks(SCRIPT, ["load", str(tmp_path)], timeout=TIMEOUT)
-    assert "LOADED B" in out[0] and f"loaded sharded checkpoint {tmp_path / 'ck'}, version legacy (" in out[0]
-    after = eval(re.search(r"AFTER (\[.*\])", out[0]).group(1))
+def test_the_single_version_layout_loads_and_is_replaced_by_versions(loads):
+    tmp_path, out0 = _load_of(loads, LEGACY)  # the old layout of clean's B, adopted, loaded in the loads' launch
+    assert "LOADED B" in out0 and f"loaded sharded checkpoint {tmp_path / 'ck'}, version legacy (" in out0
+    after = eval(re.search(r"AFTER (\[.*\])", out0).group(1))
     # the old layout is the previous version until the next save commits
     legacy = ["index.json", "manifest.json", "rank00000.safetensors", "rank00001.safetensors", "trainer.pt"]
     assert after == ["LATEST", *legacy, "v00001"]

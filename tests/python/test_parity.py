@@ -16,10 +16,21 @@ from launch import run_ranks
 
 SCRIPT = Path(__file__).parent / "scripts" / "fit_runs.py"
 RTOL, ATOL = 1e-5, 1e-6
+# Each test's fit_runs runs, by case: the fits fixture runs them all in one launch (starting 2 ranks costs more than a
+# fit of the tiny LM), each case's files in OUT/<case>/.
+RUNS: dict[str, list[dict]] = {}
 
 
-def _run(tmp_path: Path, runs: list[dict]) -> None:
-    run_ranks(SCRIPT, [str(tmp_path), json.dumps(runs)])
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> Path:
+    """OUT, with OUT/<case>/ holding the files of the runs of ``RUNS[case]`` (same names, same settings)."""
+    out = tmp_path_factory.mktemp("parity")
+    runs = []
+    for case, case_runs in RUNS.items():
+        (out / case).mkdir()
+        runs += [{**run, "name": f"{case}/{run['name']}"} for run in case_runs]
+    run_ranks(SCRIPT, [str(out), json.dumps(runs)], timeout=1200)
+    return out
 
 
 def _losses(tmp_path: Path, name: str, rank: int) -> torch.Tensor:
@@ -41,81 +52,92 @@ def _assert_same_run(tmp_path: Path, ref: str, other: str, n_losses: int) -> Non
     assert _losses(tmp_path, ref, 0)[-5:].mean() < _losses(tmp_path, ref, 0)[:5].mean()
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        pytest.param({}, id="plain"),
-        pytest.param({"accumulate": 2}, id="grad_accumulation"),
-        pytest.param({"clip": 0.05}, id="clip_by_norm"),
-        # An unused parameter gets a zero gradient inside its flat shard (as with FSDP1's flat parameters) where DDP
-        # leaves .grad None and the optimizer skips it; plain SGD makes the two the same, so parity is exact there.
-        pytest.param({"unused": True, "optimizer": "plain_sgd"}, id="param_unused_in_some_steps"),
-    ],
-)
-def test_stages_match_ddp(tmp_path, scenario):
+SCENARIOS = {
+    "plain": {},
+    "grad_accumulation": {"accumulate": 2},
+    "clip_by_norm": {"clip": 0.05},
+    # An unused parameter gets a zero gradient inside its flat shard (as with FSDP1's flat parameters) where DDP
+    # leaves .grad None and the optimizer skips it; plain SGD makes the two the same, so parity is exact there.
+    "param_unused_in_some_steps": {"unused": True, "optimizer": "plain_sgd"},
+}
+for _id, _scenario in SCENARIOS.items():
+    RUNS[f"stages_{_id}"] = [{"name": "ddp", "strategy": "ddp", **_scenario}]
+    RUNS[f"stages_{_id}"] += [
+        {"name": f"stage{s}", "strategy": "zeroshard", "stage": s, **_scenario} for s in (1, 2, 3)
+    ]
+
+
+@pytest.mark.parametrize("scenario_id", list(SCENARIOS))
+def test_stages_match_ddp(fits, scenario_id):
     """Every stage on the tiny LM: tied embedding/head, a frozen parameter, two param groups; stage 3 units = Blocks."""
-    runs = [{"name": "ddp", "strategy": "ddp", **scenario}]
-    runs += [{"name": f"stage{s}", "strategy": "zeroshard", "stage": s, **scenario} for s in (1, 2, 3)]
-    _run(tmp_path, runs)
+    tmp_path, scenario = fits / f"stages_{scenario_id}", SCENARIOS[scenario_id]
     n = 20 * scenario.get("accumulate", 1)
     for s in (1, 2, 3):
         _assert_same_run(tmp_path, "ddp", f"stage{s}", n)
 
 
-def test_offload_and_other_optimizers_match_ddp(tmp_path):
+RUNS["optimizers"] = [
+    {"name": "ddp_adamw", "strategy": "ddp"},
+    {"name": "offload_adamw", "strategy": "zeroshard", "stage": 2, "offload": True},
+    {"name": "ddp_adam", "strategy": "ddp", "optimizer": "adam"},
+    {"name": "offload_adam", "strategy": "zeroshard", "stage": 1, "offload": True, "optimizer": "adam"},
+    {"name": "ddp_sgd", "strategy": "ddp", "optimizer": "sgd"},
+    {"name": "stage2_sgd", "strategy": "zeroshard", "stage": 2, "optimizer": "sgd"},
+]
+
+
+def test_offload_and_other_optimizers_match_ddp(fits):
     """Offloaded master weights stepped by CPUAdam (converted from AdamW/Adam), and SGD with momentum on shards."""
-    runs = [
-        {"name": "ddp_adamw", "strategy": "ddp"},
-        {"name": "offload_adamw", "strategy": "zeroshard", "stage": 2, "offload": True},
-        {"name": "ddp_adam", "strategy": "ddp", "optimizer": "adam"},
-        {"name": "offload_adam", "strategy": "zeroshard", "stage": 1, "offload": True, "optimizer": "adam"},
-        {"name": "ddp_sgd", "strategy": "ddp", "optimizer": "sgd"},
-        {"name": "stage2_sgd", "strategy": "zeroshard", "stage": 2, "optimizer": "sgd"},
-    ]
-    _run(tmp_path, runs)
+    tmp_path = fits / "optimizers"
     _assert_same_run(tmp_path, "ddp_adamw", "offload_adamw", 20)
     _assert_same_run(tmp_path, "ddp_adam", "offload_adam", 20)
     _assert_same_run(tmp_path, "ddp_sgd", "stage2_sgd", 20)
 
 
-def test_offload_pipeline_at_every_stage_matches_ddp(tmp_path):
+_OFF = {"strategy": "zeroshard", "offload": True, "offload_chunk": 1000}
+RUNS["offload_pipeline"] = [
+    {"name": "ddp", "strategy": "ddp"},
+    {"name": "stage3_offload", "stage": 3, **_OFF},
+    {"name": "stage3_offload_params", "stage": 3, "offload_params": True, "overlap": True, **_OFF},
+    {"name": "ddp_clip", "strategy": "ddp", "clip": 0.05},
+    {"name": "stage2_offload_clip", "stage": 2, "clip": 0.05, "overlap": True, **_OFF},
+]
+
+
+def test_offload_pipeline_at_every_stage_matches_ddp(fits):
     """The offload pipeline on 2 ranks (chunks of 1000 elements, so every flat parameter spans several): stage 3 with
     optimizer offload, with parameter offload too and buckets stepped during backward (``overlap_step``), and stage 2
     with clipping (``overlap_step`` too: the strategy defers the step to the end of backward and the clip coefficient
     is folded into the kernel) equal DDP."""
-    off = {"strategy": "zeroshard", "offload": True, "offload_chunk": 1000}
-    runs = [
-        {"name": "ddp", "strategy": "ddp"},
-        {"name": "stage3_offload", "stage": 3, **off},
-        {"name": "stage3_offload_params", "stage": 3, "offload_params": True, "overlap": True, **off},
-        {"name": "ddp_clip", "strategy": "ddp", "clip": 0.05},
-        {"name": "stage2_offload_clip", "stage": 2, "clip": 0.05, "overlap": True, **off},
-    ]
-    _run(tmp_path, runs)
+    tmp_path = fits / "offload_pipeline"
     _assert_same_run(tmp_path, "ddp", "stage3_offload", 20)
     _assert_same_run(tmp_path, "ddp", "stage3_offload_params", 20)
     _assert_same_run(tmp_path, "ddp_clip", "stage2_offload_clip", 20)
 
 
-def test_one_bucket_per_parameter_and_one_bucket_for_all(tmp_path):
+RUNS["buckets"] = [
+    {"name": "ddp", "strategy": "ddp"},
+    {"name": "tiny_buckets", "strategy": "zeroshard", "reduce_bucket_size": 1, "allgather_bucket_size": 1},
+    {"name": "one_bucket", "strategy": "zeroshard", "reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9},
+]
+
+
+def test_one_bucket_per_parameter_and_one_bucket_for_all(fits):
     """Bucket sizes at both extremes give the same training as DDP."""
-    runs = [
-        {"name": "ddp", "strategy": "ddp"},
-        {"name": "tiny_buckets", "strategy": "zeroshard", "reduce_bucket_size": 1, "allgather_bucket_size": 1},
-        {"name": "one_bucket", "strategy": "zeroshard", "reduce_bucket_size": 10**9, "allgather_bucket_size": 10**9},
-    ]
-    _run(tmp_path, runs)
+    tmp_path = fits / "buckets"
     _assert_same_run(tmp_path, "ddp", "tiny_buckets", 20)
     _assert_same_run(tmp_path, "ddp", "one_bucket", 20)
 
 
-def test_validation_and_test_with_sync_dist(tmp_path):
+RUNS["validation"] = [
+    {"name": "ddp", "strategy": "ddp", "validate": True, "max_steps": 10},
+    {"name": "stage2", "strategy": "zeroshard", "validate": True, "max_steps": 10},
+]
+
+
+def test_validation_and_test_with_sync_dist(fits):
     """Validation inside fit and ``trainer.test`` after it, logged with ``sync_dist=True``, equal DDP's values."""
-    runs = [
-        {"name": "ddp", "strategy": "ddp", "validate": True, "max_steps": 10},
-        {"name": "stage2", "strategy": "zeroshard", "validate": True, "max_steps": 10},
-    ]
-    _run(tmp_path, runs)
+    tmp_path = fits / "validation"
     for rank in range(2):
         ref = json.loads((tmp_path / f"ddp_rank{rank}.json").read_text())
         got = json.loads((tmp_path / f"stage2_rank{rank}.json").read_text())
@@ -125,20 +147,22 @@ def test_validation_and_test_with_sync_dist(tmp_path):
         assert got["losses"][0] != json.loads((tmp_path / f"stage2_rank{1 - rank}.json").read_text())["losses"][0]
 
 
-def test_meta_init_materialises_the_same_model(tmp_path):
+RUNS["meta_init"] = [
+    {"name": "ddp", "strategy": "ddp"},
+    {"name": "meta_stage3", "strategy": "zeroshard", "stage": 3, "meta": True},
+    {"name": "meta_stage2", "strategy": "zeroshard", "stage": 2, "meta": True},
+    {"name": "stage3_recompute", "strategy": "zeroshard", "stage": 3, "checkpointing": True},
+    {"name": "stage3_persistent", "strategy": "zeroshard", "stage": 3, "persist": True},
+    # zeroshard.gathered_parameters(self) inside training_step, after the forward (issue 16): the root unit the
+    # step keeps gathered for backward stays gathered
+    {"name": "stage3_gathered_in_step", "strategy": "zeroshard", "stage": 3, "gathered": True},
+]
+
+
+def test_meta_init_materialises_the_same_model(fits):
     """A model built on the meta device (trainer.init_module(empty_init=True)) and materialised by the strategy, unit
     by unit at stage 3, trains exactly like the eagerly built one under DDP (same seed)."""
-    runs = [
-        {"name": "ddp", "strategy": "ddp"},
-        {"name": "meta_stage3", "strategy": "zeroshard", "stage": 3, "meta": True},
-        {"name": "meta_stage2", "strategy": "zeroshard", "stage": 2, "meta": True},
-        {"name": "stage3_recompute", "strategy": "zeroshard", "stage": 3, "checkpointing": True},
-        {"name": "stage3_persistent", "strategy": "zeroshard", "stage": 3, "persist": True},
-        # zeroshard.gathered_parameters(self) inside training_step, after the forward (issue 16): the root unit the
-        # step keeps gathered for backward stays gathered
-        {"name": "stage3_gathered_in_step", "strategy": "zeroshard", "stage": 3, "gathered": True},
-    ]
-    _run(tmp_path, runs)
+    tmp_path = fits / "meta_init"
     _assert_same_run(tmp_path, "ddp", "stage3_gathered_in_step", 20)
     _assert_same_run(tmp_path, "ddp", "stage3_persistent", 20)  # small units kept gathered, refreshed after steps
     _assert_same_run(tmp_path, "ddp", "stage3_recompute", 20)  # activation checkpointing of the stage-3 units
@@ -146,25 +170,38 @@ def test_meta_init_materialises_the_same_model(tmp_path):
     _assert_same_run(tmp_path, "ddp", "meta_stage2", 20)
 
 
-def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
+RUNS["bf16"] = [{"name": "ddp", "strategy": "ddp", "precision": "bf16-mixed"}]
+RUNS["bf16"] += [
+    {"name": f"stage{s}", "strategy": "zeroshard", "stage": s, "precision": "bf16-mixed"} for s in (1, 2, 3)
+]
+RUNS["bf16"].append(
+    {
+        "name": "stage3_bf16_reduce",
+        "strategy": "zeroshard",
+        "stage": 3,
+        "precision": "bf16-mixed",
+        "reduce_bf16": True,
+    }
+)
+# offload with bf16 gradient shards: the fused kernel reads them as bf16 and writes the bf16 host shards
+RUNS["bf16"].append(
+    {
+        "name": "stage3_bf16_offload",
+        "strategy": "zeroshard",
+        "stage": 3,
+        "precision": "bf16-mixed",
+        "offload": True,
+        "offload_params": True,
+        "offload_chunk": 1000,
+        "reduce_bf16": True,
+    }
+)
+
+
+def test_bf16_mixed_matches_ddp_within_bf16_tolerance(fits):
     """bf16-mixed: parameters stored, gathered and computed in bf16, fp32 master weights; DDP runs Lightning's own
     bf16-mixed (autocast over fp32 parameters). The two differ by bf16 rounding of the parameters, nothing more."""
-    runs = [{"name": "ddp", "strategy": "ddp", "precision": "bf16-mixed"}]
-    runs += [{"name": f"stage{s}", "strategy": "zeroshard", "stage": s, "precision": "bf16-mixed"} for s in (1, 2, 3)]
-    runs.append(
-        {
-            "name": "stage3_bf16_reduce",
-            "strategy": "zeroshard",
-            "stage": 3,
-            "precision": "bf16-mixed",
-            "reduce_bf16": True,
-        }
-    )
-    # offload with bf16 gradient shards: the fused kernel reads them as bf16 and writes the bf16 host shards
-    off = {"offload": True, "offload_params": True, "offload_chunk": 1000}
-    runs.append({"name": "stage3_bf16_offload", "strategy": "zeroshard", "stage": 3, "precision": "bf16-mixed", **off})
-    runs[-1]["reduce_bf16"] = True
-    _run(tmp_path, runs)
+    tmp_path = fits / "bf16"
     for name in ("stage1", "stage2", "stage3", "stage3_bf16_reduce", "stage3_bf16_offload"):
         for rank in range(2):
             ref, got = _losses(tmp_path, "ddp", rank), _losses(tmp_path, name, rank)
@@ -185,13 +222,22 @@ def test_bf16_mixed_matches_ddp_within_bf16_tolerance(tmp_path):
             torch.testing.assert_close(b, a, rtol=5e-2, atol=1e-1, msg=lambda m, n=name, k=k: f"{n}, {k}: {m}")
 
 
-@pytest.mark.parametrize("stage, offload", [(2, False), (3, False), (3, True)])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, stage, offload):
+FP16_RUNS = ["2", "3", "3+offload"]  # stage, and optimizer (at stage 3 also parameter) offload
+
+
+@pytest.fixture(scope="module")
+def fp16_overflows(tmp_path_factory) -> Path:
+    """OUT/<run>.json for each of FP16_RUNS, fitted in turn in one launch."""
+    out = tmp_path_factory.mktemp("fp16")
+    run_ranks(Path(__file__).parent / "scripts" / "fp16_overflow.py", [str(out), *FP16_RUNS])
+    return out
+
+
+@pytest.mark.parametrize("run", FP16_RUNS)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(fp16_overflows, run):
     """An inf loss on rank 1 only: every rank skips that step, master shards and optimizer state stay bit-identical
     (with offload: the check reads the host gradient shards once their copies are done)."""
-    out = tmp_path / "fp16.json"
-    run_ranks(Path(__file__).parent / "scripts" / "fp16_overflow.py", [str(out), str(stage)] + ["offload"] * offload)
-    result = json.loads(out.read_text())
+    result = json.loads((fp16_overflows / f"{run}.json").read_text())
     assert result["unchanged_on_every_rank"] == [True, True]
     assert result["skipped_steps"] == 1  # only the injected overflow: the scale (256) fits fp16 otherwise
     assert result["scale"] == 128.0  # halved once (hysteresis 1)

@@ -7,10 +7,13 @@ Usage: faults_collectives.py MODE STAGE OUT_DIR
   collective, the bucket or unit, the step and the rank, then kills rank 1 (whose pid it reads from OUT_DIR).
 - ``swap``: at step 3 rank 1 runs the two (same-size) blocks in the opposite order.
 - ``skip``: at step 3 rank 1 skips the second block; ``skip_first``: the first one; ``skip_all``: both.
-- ``read_one``: after fit (stage 3) only rank 0 reads a parameter (rank 1 sleeps, then exits): rank 0's gather must
+- ``read_one``: after fit (stage 3) only rank 0 reads a parameter (rank 1 waits, then exits): rank 0's gather must
   time out naming the read and the parameter.
-- ``grad_one``: at step 2 only rank 0 reads a ``.grad`` in ``on_before_optimizer_step`` (rank 1 sleeps there): rank
+- ``grad_one``: at step 2 only rank 0 reads a ``.grad`` in ``on_before_optimizer_step`` (rank 1 waits there): rank
   0's gradient all-gather must time out naming the read and the parameter.
+
+  In both, rank 1 waits until rank 0 has ended (its ``rank0_done`` file), at most 30 s: far past the 10 s timeout,
+  but the run ends as soon as rank 0 has its error instead of after a fixed sleep.
 - ``numpy``: trains 2 steps, takes ``.numpy()`` views of parameters inside ``gathered_parameters()``, leaves the block,
   trains 2 more steps; writes ``numpy_rank{r}.json`` with what it saw.
 """
@@ -32,6 +35,14 @@ from tiny_lm import Block, TinyLM, token_dataset
 import zeroshard
 
 MODE, STAGE, OUT = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+RANK0_DONE = OUT / "rank0_done"
+
+
+def wait_for_rank0(limit: float = 30.0) -> None:
+    """Rank 1 stays out of the collective until rank 0 has ended (or ``limit`` seconds passed)."""
+    deadline = time.monotonic() + limit
+    while not RANK0_DONE.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 class Faulty(TinyLM):
@@ -55,7 +66,7 @@ class Faulty(TinyLM):
             if self.global_rank == 0:
                 print(float(self.blocks[0].up.weight.grad.sum()), flush=True)  # rank 0 alone: a collective read
             else:
-                time.sleep(30)
+                wait_for_rank0()
 
     def on_train_batch_start(self, batch, batch_idx):
         if MODE == "stop" and self.global_rank == 1 and self.global_step == 2:
@@ -123,11 +134,14 @@ def main() -> None:
             if rank == 0:
                 print(float(model.blocks[0].up.weight.detach().sum()), flush=True)  # rank 0 alone: gathers the unit
             else:
-                time.sleep(30)
+                wait_for_rank0()
     except BaseException:
         if MODE == "stop" and rank == 0:  # the stopped rank never ends by itself
             os.kill(int((OUT / "pid1").read_text()), signal.SIGKILL)
         raise
+    finally:
+        if rank == 0:
+            RANK0_DONE.touch()
 
 
 if __name__ == "__main__":

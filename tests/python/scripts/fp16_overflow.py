@@ -1,13 +1,16 @@
 """Rank worker: fp16 with dynamic loss scaling; at step 3 rank 1's loss becomes inf.
 
-Usage: fp16_overflow.py OUT_JSON STAGE. Rank 0 writes whether the master shards and optimizer state of every rank were
-bit-for-bit unchanged by the overflowing step, and the scaler's count of skipped steps.
+Usage: fp16_overflow.py OUT_DIR RUN [RUN ...], each RUN a stage with ``+offload`` for optimizer (and at stage 3
+parameter) offload, e.g. ``2 3 3+offload``: one fit per RUN, in turn over one process group. For each, rank 0 writes
+OUT_DIR/<RUN>.json: whether the master shards and optimizer state of every rank were bit-for-bit unchanged by the
+overflowing step, and the scaler's count of skipped steps.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -50,10 +53,7 @@ class Snapshot(L.Callback):
             self.after = self._take(trainer)
 
 
-def main() -> None:
-    out, stage = sys.argv[1], int(sys.argv[2])
-    offload = sys.argv[3:] == ["offload"]  # optimizer offload (and parameter offload at stage 3)
-    torch.set_num_threads(1)
+def fit(out: str, stage: int, offload: bool) -> None:
     L.seed_everything(0, verbose=False)
     snap = Snapshot()
     strategy = zeroshard.ZeroStrategy(
@@ -97,4 +97,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(1)
+    for run in sys.argv[2:]:
+        stage, _, offload = run.partition("+")
+        fit(str(Path(sys.argv[1]) / f"{run}.json"), int(stage), offload == "offload")
