@@ -1,0 +1,115 @@
+"""The Muon tests' model, data and single-process references (imported by ``scripts/muon_runs.py`` on every rank
+and by ``test_muon.py``, which computes the references in its own process, apart from the ranks' engines).
+
+Muon on the hidden 2-D weights + AdamW on the rest (Moonlight's recipe). The reference trains single-process with
+``torch.optim.Muon`` + ``torch.optim.AdamW`` on the whole global batch (accumulated micro-batches as one batch of 4x);
+the row-block variant runs Newton-Schulz on each of ``world`` row blocks of every matrix, what a shard-local Muon gives
+(FSDP2's ``Shard(0)``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+VOCAB, DIM, SEQ, GLOBAL = 29, 20, 6, 6  # GLOBAL: sequences per micro-batch over all ranks (2 and 3 divide it)
+
+
+class Block(nn.Module):
+    """Odd widths, so matrices straddle shard boundaries at 2 and 3 ranks."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM, bias=False)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MuonNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(Block(37), Block(43))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(idx)))
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Muon: the hidden 2-D weights (the blocks' matrices); AdamW: embedding, head, norms, biases."""
+    muon = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    ids = {id(p) for p in muon}
+    return muon, [p for p in model.parameters() if id(p) not in ids]
+
+
+def make_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    muon, rest = split_params(model)
+    return [torch.optim.Muon(muon, lr=0.02, weight_decay=0.1), torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)]
+
+
+def global_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same at every world size, so runs at 2 and 3 ranks (and a 2 -> 3 resume) share one reference."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, VOCAB, (GLOBAL, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+class RowBlockMuon(torch.optim.Optimizer):
+    """Muon with each matrix's Newton-Schulz run on each of ``world`` row blocks separately (each rank's local shard
+    under FSDP2's ``Shard(0)``), the rest as torch's Muon: the wrong answer a shard-local Muon gives."""
+
+    def __init__(self, params, world: int, lr: float = 0.02, weight_decay: float = 0.1, momentum: float = 0.95):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "momentum": momentum})
+        self.world = world
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - g["momentum"])
+                update = p.grad.lerp(buf, g["momentum"])
+                rows = -(-p.shape[0] // self.world)
+                ortho = torch.cat([_zeropower_via_newtonschulz(u, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+                                   for u in update.split(rows)])  # fmt: skip
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(ortho, alpha=-_adjust_lr(g["lr"], None, p.shape))
+
+
+def train_reference(run: dict, world: int, row_blocks: bool, chunks: int = 1) -> dict[str, torch.Tensor]:
+    """10 (``run["steps"]``) steps single-process; ``chunks`` > 1 takes each step's batch as that many backward
+    passes of equal slices (the same gradient, summed in another order: the reference's own rounding noise)."""
+    torch.manual_seed(7)
+    model = MuonNet()
+    muon, rest = split_params(model)
+    opt_m = RowBlockMuon(muon, world) if row_blocks else torch.optim.Muon(muon, lr=0.02, weight_decay=0.1)
+    opts = [opt_m, torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)]
+    accumulate = run.get("accumulate", 1)
+    for step in range(run.get("steps", 10)):
+        batches = [global_batch(step, micro) for micro in range(accumulate)]
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+            (loss_of(model, xc, yc) / chunks).backward()
+        if run.get("clip"):
+            for params in (muon, rest):
+                torch.nn.utils.clip_grad_norm_(params, run["clip"])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).norm() / b[k].float().norm()) for k in b)

@@ -1,0 +1,102 @@
+"""Rank worker for the Muon tests: ``torch.optim.Muon`` + ``torch.optim.AdamW`` (:mod:`muon_model`) passed to
+``fabric.setup`` with ``ZeroFabricStrategy``.
+
+Usage (one process per rank, started by ``launch.run_ranks``):
+    muon_runs.py OUT_DIR RUNS_JSON
+
+Each run is a dict: ``name``, ``stage``, and optional ``accumulate`` (micro-batches per step under
+``no_backward_sync``), ``clip`` (max norm, each optimizer clipped by its own norm, as ``fabric.clip_gradients`` per
+optimizer does), ``steps`` (default 10), ``save_at`` (a sharded ``fabric.save`` after that many steps, to
+OUT_DIR/NAME.ckpt), ``resume_from`` (load such a checkpoint, then train to ``steps``).
+
+Rank 0 writes ``{name}.pt`` (final parameters, fp32) and ``{name}.json``: every rank's counted Muon all-to-all bytes
+per step (``sent``) and the plan needed to recompute them (each matrix's owner and flat placement), the Newton-Schulz
+FLOPs per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from muon_model import GLOBAL, Block, MuonNet, global_batch, loss_of, make_optimizers
+
+import zeroshard
+
+
+def traffic_plan(engine) -> dict:
+    """What the traffic theory needs: each Muon matrix's owner and flat placement, from the engine's flat parameters."""
+    from zeroshard.optim.sharded_muon import ShardedMuon
+
+    muon = next(o for o in engine.optimizers if isinstance(o, ShardedMuon))
+    flat_of = {id(fp.master): fp for fp in engine.flat_params}
+    rows = []
+    for m in muon.matrices:
+        fp = flat_of[id(m.master)]
+        pi = fp.names.index(m.name)
+        rows.append({"name": m.name, "owner": m.owner, "shape": list(m.shape), "offset": fp.layout.offsets[pi],
+                     "numel": fp.layout.numels[pi], "shard_numel": fp.layout.shard_numel})  # fmt: skip
+    return {"matrices": rows, "flops": muon.owned_flops()}
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    runs = json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    for run in runs:
+        world = int(os.environ["WORLD_SIZE"])
+        stage = run["stage"]
+        strategy = zeroshard.ZeroFabricStrategy(
+            stage=stage, wrap_policy=Block if stage == 3 else None, reduce_bucket_size=900, allgather_bucket_size=2000
+        )
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+        fabric.launch()
+        rank = fabric.global_rank
+        torch.manual_seed(7)
+        model = MuonNet()
+        model, *opts = fabric.setup(model, *make_optimizers(model))
+        engine = fabric.strategy.engine
+        start = 0
+        if run.get("resume_from"):
+            state = {"model": model, "step": 0, "opt0": opts[0], "opt1": opts[1]}
+            assert fabric.load(out / f"{run['resume_from']}.ckpt", state) == {}
+            start = state["step"]
+        accumulate = run.get("accumulate", 1)
+        sent = []
+        for step in range(start, run.get("steps", 10)):
+            for micro in range(accumulate):
+                x, y = global_batch(step, micro)
+                per = GLOBAL // world
+                x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+                with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                    fabric.backward(loss_of(model, x, y) / accumulate)
+            if run.get("clip"):
+                for opt in opts:
+                    fabric.clip_gradients(model, opt, max_norm=run["clip"])
+            before = engine.comm_stats()["groups"]["matrix"]["total"]["all_to_all"]["bytes"]
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            sent.append(engine.comm_stats()["groups"]["matrix"]["total"]["all_to_all"]["bytes"] - before)
+            if run.get("save_at") == step + 1:
+                fabric.save(out / f"{run['name']}.ckpt", {"model": model, "step": step + 1, "opt0": opts[0],
+                                                           "opt1": opts[1]})  # fmt: skip
+        gathered = [None] * world
+        dist.all_gather_object(gathered, sent)
+        plan = traffic_plan(engine)
+        with zeroshard.gathered_parameters(model.module):
+            params = {k: v.detach().float().clone() for k, v in model.module.state_dict().items()}
+        if rank == 0:
+            torch.save(params, out / f"{run['name']}.pt")
+            result = {"sent": gathered, "plan": plan, "world": world}
+            (out / f"{run['name']}.json").write_text(json.dumps(result))
+        fabric.barrier()
+
+
+if __name__ == "__main__":
+    main()
