@@ -41,9 +41,47 @@ class MuonNet(nn.Module):
         return self.head(self.blocks(self.embed(idx)))
 
 
+class LlamaLM(nn.Module):
+    """A Hugging Face ``LlamaForCausalLM`` built from a config (no hub), returning logits; odd widths (24 hidden, 40
+    MLP, grouped-query attention: k/v projections 12 x 24)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=None,
+            attn_implementation="eager",
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx).logits
+
+
+def make_model(kind: str = "net") -> nn.Module:
+    """``"net"``: :class:`MuonNet`; ``"llama"``: :class:`LlamaLM`."""
+    return LlamaLM() if kind == "llama" else MuonNet()
+
+
+def wrap_block(kind: str = "net") -> type[nn.Module]:
+    """The stage-3 unit class of each model."""
+    if kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return LlamaDecoderLayer
+    return Block
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """Muon's parameters: the 2-D weights inside the blocks / decoder layers (not embeddings, head or norms)."""
+    return p.ndim == 2 and (name.startswith("blocks.") or ".layers." in name)
+
+
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Muon: the hidden 2-D weights (the blocks' matrices); AdamW: embedding, head, norms, biases."""
-    muon = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+    """Muon: the hidden 2-D weights; AdamW: embedding, head, norms, biases (Moonlight's recipe)."""
+    muon = [p for n, p in model.named_parameters() if is_hidden_matrix(n, p)]
     ids = {id(p) for p in muon}
     return muon, [p for p in model.parameters() if id(p) not in ids]
 
@@ -92,7 +130,7 @@ def train_reference(run: dict, world: int, row_blocks: bool, chunks: int = 1) ->
     """10 (``run["steps"]``) steps single-process; ``chunks`` > 1 takes each step's batch as that many backward
     passes of equal slices (the same gradient, summed in another order: the reference's own rounding noise)."""
     torch.manual_seed(7)
-    model = MuonNet()
+    model = make_model(run.get("model", "net"))
     muon, rest = split_params(model)
     opt_m = RowBlockMuon(muon, world) if row_blocks else torch.optim.Muon(muon, lr=0.02, weight_decay=0.1)
     opts = [opt_m, torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)]

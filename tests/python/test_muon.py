@@ -129,6 +129,7 @@ RUNS_2 = [
     {"name": "s3", "stage": 3},
     {"name": "s3_acc_clip", "stage": 3, "accumulate": 4, "clip": 0.05},
     {"name": "s2_acc_clip", "stage": 2, "accumulate": 4, "clip": 0.05},
+    {"name": "llama_s3", "stage": 3, "model": "llama"},
     {"name": "s3_save", "stage": 3, "save_at": 5, "steps": 5},
     {"name": "s3_resume", "stage": 3, "resume_from": "s3_save"},
 ]
@@ -154,8 +155,8 @@ def _result(runs, world: int, name: str) -> dict:
     return json.loads((runs[world] / f"{name}.json").read_text())
 
 
-CASES = [(2, "s1"), (2, "s2"), (2, "s3"), (2, "s3_acc_clip"), (2, "s2_acc_clip"), (3, "s1"), (3, "s2"),
-         (3, "s3_acc_clip")]  # fmt: skip
+CASES = [(2, "s1"), (2, "s2"), (2, "s3"), (2, "s3_acc_clip"), (2, "s2_acc_clip"), (2, "llama_s3"), (3, "s1"),
+         (3, "s2"), (3, "s3_acc_clip")]  # fmt: skip
 
 
 RUN_OF = {(w, r["name"]): r for w, runs in ((2, RUNS_2), (3, RUNS_3)) for r in runs}
@@ -167,6 +168,7 @@ def noise_floor(run: dict) -> float:
     order (the batch as 2 or 3 backward passes): Newton-Schulz runs in bf16, so a last-bit change of the fp32 gradient
     flips bf16 roundings of the update. Measured 1.6e-3 to 4e-3 here: the bound any sharded run can be held to unless
     its gradients are bit-equal to the reference's."""
+    run = {k: v for k, v in run.items() if k in ("steps", "accumulate", "clip", "model")}
     ref = train_reference(run, 1, row_blocks=False)
     return max(rel_err(train_reference(run, 1, row_blocks=False, chunks=c), ref) for c in (2, 3))
 
@@ -182,7 +184,7 @@ def test_parity_with_single_process_muon_and_adamw(runs, world, name):
     ref = train_reference(run, world, row_blocks=False)
     err = rel_err(got, ref)
     bound = TOL
-    if world == 2 and run.get("accumulate", 1) == 1:
+    if world == 2 and run.get("accumulate", 1) == 1 and run.get("model", "net") == "net":
         for k in MUON_WEIGHTS:
             assert torch.equal(got[k], ref[k]), k
         assert err < TOL, err

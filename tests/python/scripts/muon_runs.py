@@ -4,10 +4,11 @@
 Usage (one process per rank, started by ``launch.run_ranks``):
     muon_runs.py OUT_DIR RUNS_JSON
 
-Each run is a dict: ``name``, ``stage``, and optional ``accumulate`` (micro-batches per step under
-``no_backward_sync``), ``clip`` (max norm, each optimizer clipped by its own norm, as ``fabric.clip_gradients`` per
-optimizer does), ``steps`` (default 10), ``save_at`` (a sharded ``fabric.save`` after that many steps, to
-OUT_DIR/NAME.ckpt), ``resume_from`` (load such a checkpoint, then train to ``steps``).
+Each run is a dict: ``name``, ``stage``, and optional ``model`` ("net", or "llama": a Hugging Face Llama from a
+config), ``accumulate`` (micro-batches per step under ``no_backward_sync``), ``clip`` (max norm, each optimizer clipped
+by its own norm, as ``fabric.clip_gradients`` per optimizer does), ``steps`` (default 10), ``save_at`` (a sharded
+``fabric.save`` after that many steps, to OUT_DIR/NAME.ckpt), ``resume_from`` (load such a checkpoint, then train to
+``steps``).
 
 Rank 0 writes ``{name}.pt`` (final parameters, fp32) and ``{name}.json``: every rank's counted Muon all-to-all bytes
 per step (``sent``) and the plan needed to recompute them (each matrix's owner and flat placement), the Newton-Schulz
@@ -24,7 +25,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from muon_model import GLOBAL, Block, MuonNet, global_batch, loss_of, make_optimizers
+from muon_model import GLOBAL, global_batch, loss_of, make_model, make_optimizers, wrap_block
 
 import zeroshard
 
@@ -52,13 +53,16 @@ def main() -> None:
         world = int(os.environ["WORLD_SIZE"])
         stage = run["stage"]
         strategy = zeroshard.ZeroFabricStrategy(
-            stage=stage, wrap_policy=Block if stage == 3 else None, reduce_bucket_size=900, allgather_bucket_size=2000
+            stage=stage,
+            wrap_policy=wrap_block(run.get("model", "net")) if stage == 3 else None,
+            reduce_bucket_size=900,
+            allgather_bucket_size=2000,
         )
         fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
         fabric.launch()
         rank = fabric.global_rank
         torch.manual_seed(7)
-        model = MuonNet()
+        model = make_model(run.get("model", "net"))
         model, *opts = fabric.setup(model, *make_optimizers(model))
         engine = fabric.strategy.engine
         start = 0
