@@ -76,7 +76,8 @@ def test_matrix_optimizer_refused_before_sharding(group, optimizer, settings, ma
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_one_rank_matches_torch_muon_bit_for_bit(group, stage):
-    """World size 1: every matrix whole in one shard, owner 0; the step must be torch's Muon exactly."""
+    """World size 1: every matrix whole in one shard, owner 0; the step must be torch's Muon exactly, and the
+    consolidated state torch's."""
     ref, model = _mlp(), _mlp()
     opt_ref = torch.optim.Muon([ref[0].weight, ref[2].weight], lr=0.05)
     opt_ref_rest = torch.optim.AdamW([ref[0].bias], lr=1e-2)
@@ -98,6 +99,13 @@ def test_one_rank_matches_torch_muon_bit_for_bit(group, stage):
     with engine.gathered(writeback=False):
         for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
             assert torch.equal(a, b), name
+    # consolidated: torch's Muon.state_dict() format (a 2-D momentum buffer per matrix), loadable by torch's Muon
+    consolidated = engine.optimizer_state_dict(engine.optimizers[0])
+    expected = opt_ref.state_dict()
+    assert consolidated["param_groups"] == expected["param_groups"]
+    for i in (0, 1):
+        assert torch.equal(consolidated["state"][i]["momentum_buffer"], expected["state"][i]["momentum_buffer"])
+    torch.optim.Muon([nn.Parameter(torch.zeros(10, 6)), nn.Parameter(torch.zeros(5, 10))]).load_state_dict(consolidated)
 
 
 def test_owner_assignment_balances_newton_schulz_flops():
@@ -130,6 +138,7 @@ RUNS_2 = [
     {"name": "s3_acc_clip", "stage": 3, "accumulate": 4, "clip": 0.05},
     {"name": "s2_acc_clip", "stage": 2, "accumulate": 4, "clip": 0.05},
     {"name": "llama_s3", "stage": 3, "model": "llama"},
+    {"name": "trainer_s3", "stage": 3, "trainer": True},
     {"name": "s3_save", "stage": 3, "save_at": 5, "steps": 5},
     {"name": "s3_resume", "stage": 3, "resume_from": "s3_save"},
 ]
@@ -155,8 +164,8 @@ def _result(runs, world: int, name: str) -> dict:
     return json.loads((runs[world] / f"{name}.json").read_text())
 
 
-CASES = [(2, "s1"), (2, "s2"), (2, "s3"), (2, "s3_acc_clip"), (2, "s2_acc_clip"), (2, "llama_s3"), (3, "s1"),
-         (3, "s2"), (3, "s3_acc_clip")]  # fmt: skip
+CASES = [(2, "s1"), (2, "s2"), (2, "s3"), (2, "trainer_s3"), (2, "s3_acc_clip"), (2, "s2_acc_clip"), (2, "llama_s3"),
+         (3, "s1"), (3, "s2"), (3, "s3_acc_clip")]  # fmt: skip
 
 
 RUN_OF = {(w, r["name"]): r for w, runs in ((2, RUNS_2), (3, RUNS_3)) for r in runs}

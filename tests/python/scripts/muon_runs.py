@@ -8,7 +8,8 @@ Each run is a dict: ``name``, ``stage``, and optional ``model`` ("net", or "llam
 config), ``accumulate`` (micro-batches per step under ``no_backward_sync``), ``clip`` (max norm, each optimizer clipped
 by its own norm, as ``fabric.clip_gradients`` per optimizer does), ``steps`` (default 10), ``save_at`` (a sharded
 ``fabric.save`` after that many steps, to OUT_DIR/NAME.ckpt), ``resume_from`` (load such a checkpoint, then train to
-``steps``).
+``steps``), ``trainer`` (a Lightning ``Trainer`` with ``ZeroStrategy`` instead: Muon + AdamW from
+``configure_optimizers`` under manual optimization; writes only ``{name}.pt``).
 
 Rank 0 writes ``{name}.pt`` (final parameters, fp32) and ``{name}.json``: every rank's counted Muon all-to-all bytes
 per step (``sent``) and the plan needed to recompute them (each matrix's owner and flat placement), the Newton-Schulz
@@ -45,12 +46,70 @@ def traffic_plan(engine) -> dict:
     return {"matrices": rows, "flops": muon.owned_flops()}
 
 
+class StepBatches(torch.utils.data.Dataset):
+    """Item ``i``: this rank's slice of step ``i``'s global batch (the Trainer runs without a distributed sampler)."""
+
+    def __init__(self, steps: int, rank: int, world: int) -> None:
+        self.steps, self.rank, self.per = steps, rank, GLOBAL // world
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int):
+        x, y = global_batch(i, 0)
+        return x[self.rank * self.per : (self.rank + 1) * self.per], y[
+            self.rank * self.per : (self.rank + 1) * self.per
+        ]
+
+
+class MuonModule(L.LightningModule):
+    """Muon + AdamW returned from ``configure_optimizers``, stepped under manual optimization (Lightning 2 refuses
+    two optimizers with automatic optimization)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.net = make_model(kind)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return make_optimizers(self.net)
+
+    def training_step(self, batch, batch_idx):
+        muon, adamw = self.optimizers()
+        x, y = batch
+        self.manual_backward(loss_of(self.net, x, y))
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+
+
+def run_trainer(out: Path, run: dict, world: int) -> None:
+    kind = run.get("model", "net")
+    strategy = zeroshard.ZeroStrategy(stage=run["stage"], wrap_policy=wrap_block(kind) if run["stage"] == 3 else None,
+                                      reduce_bucket_size=900)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)  # fmt: skip
+    module = MuonModule(kind)
+    data = torch.utils.data.DataLoader(StepBatches(run.get("steps", 10), dist.get_rank(), world), batch_size=None)
+    trainer.fit(module, data)
+    with zeroshard.gathered_parameters(module.net):
+        params = {k: v.detach().float().clone() for k, v in module.net.state_dict().items()}
+    if trainer.global_rank == 0:
+        torch.save(params, out / f"{run['name']}.pt")
+    dist.barrier()
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     runs = json.loads(sys.argv[2])
     torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown takes it out of the environment
     for run in runs:
-        world = int(os.environ["WORLD_SIZE"])
+        if run.get("trainer"):
+            run_trainer(out, run, world)
+            continue
         stage = run["stage"]
         strategy = zeroshard.ZeroFabricStrategy(
             stage=stage,
