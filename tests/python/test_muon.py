@@ -243,3 +243,41 @@ def test_resume_bit_for_bit_and_reshard_two_to_three(runs):
     bound = 2 * noise_floor({"steps": 10})
     assert rel_err(resharded, full) < bound
     assert rel_err(resharded, train_reference({"steps": 10}, 3, row_blocks=False)) < bound
+
+
+def test_planner_counts_muon_momentum_as_the_engine_holds_it(group):
+    """The planner's Muon momentum (4 bytes per element of the shard) against the engine's own count of the state it
+    allocated, and its step transient covers the owner's whole matrices."""
+    from zeroshard.plan.muon_memory import muon_step_bytes
+
+    model = _mlp()
+    opts = [torch.optim.Muon([model[0].weight, model[2].weight], lr=0.05), torch.optim.AdamW([model[0].bias])]
+    engine = ZeroEngine(model, opts, ZeroConfig(stage=2), process_group=group)
+    model(torch.randn(3, 6)).sum().backward()
+    engine.finish_backward()
+    for o in engine.optimizers:
+        o.step()
+    engine.after_step()
+    muon_fps = engine.optim.flat_params_of(engine.optimizers[0])
+    held = sum(v.numel() * v.element_size() for fp in muon_fps for v in engine.optimizers[0].state[fp.master].values())
+    planned = muon_step_bytes([(10, 6), (5, 10)], 1)
+    padding = 4 * sum(fp.layout.padded_numel - sum(fp.layout.numels) for fp in muon_fps)
+    assert held == planned["momentum"] + padding
+    assert planned["adam_state_saved"] == 2 * planned["momentum"]
+    # one owner: both matrices received and sent back (2 bytes each way) + Newton-Schulz on the 10 x 6 one
+    assert planned["step_temp"] == 4 * 110 + 4 * 110 + 8 * 60 + 4 * 36
+
+
+def test_planner_memory_takes_muon_shapes():
+    """``Training(muon_shapes=...)``: 4 bytes of momentum per Muon element instead of Adam's 8, and the Muon step's
+    transient when it exceeds AdamW's."""
+    from zeroshard.plan import PRESETS, Layout, Training, gpt_spec, memory
+
+    spec, cluster = gpt_spec(4, 256, 4, 512, 128), PRESETS["h100"]
+    shapes = tuple(s for _ in range(4) for s in ((768, 256), (256, 256), (1024, 256), (256, 1024)))
+    for stage in (1, 2, 3):
+        adam = memory(spec, Training(), Layout(stage), cluster)["device"]
+        muon = memory(spec, Training(muon_shapes=shapes), Layout(stage), cluster)["device"]
+        k = cluster.world_size
+        assert adam["optimizer_state"] - muon["optimizer_state"] == 4 * -(-sum(a * b for a, b in shapes) // k)
+        assert muon["step_temp"] >= adam["step_temp"]
