@@ -8,8 +8,8 @@ Each run is a dict: ``name``, ``stage``, and optional ``model`` ("net", or "llam
 config), ``accumulate`` (micro-batches per step under ``no_backward_sync``), ``clip`` (max norm, each optimizer clipped
 by its own norm, as ``fabric.clip_gradients`` per optimizer does), ``steps`` (default 10), ``save_at`` (a sharded
 ``fabric.save`` after that many steps, to OUT_DIR/NAME.ckpt), ``resume_from`` (load such a checkpoint, then train to
-``steps``), ``trainer`` (a Lightning ``Trainer`` with ``ZeroStrategy`` instead: Muon + AdamW from
-``configure_optimizers`` under manual optimization; writes only ``{name}.pt``).
+``steps``), ``shard_group_size`` (hybrid sharding), ``trainer`` (a Lightning ``Trainer`` with ``ZeroStrategy``
+instead: Muon + AdamW from ``configure_optimizers`` under manual optimization; writes only ``{name}.pt``).
 
 Rank 0 writes ``{name}.pt`` (final parameters, fp32) and ``{name}.json``: every rank's counted Muon all-to-all bytes
 per step (``sent``) and the plan needed to recompute them (each matrix's owner and flat placement), the Newton-Schulz
@@ -57,9 +57,8 @@ class StepBatches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         x, y = global_batch(i, 0)
-        return x[self.rank * self.per : (self.rank + 1) * self.per], y[
-            self.rank * self.per : (self.rank + 1) * self.per
-        ]
+        lo, hi = self.rank * self.per, (self.rank + 1) * self.per
+        return x[lo:hi], y[lo:hi]
 
 
 class MuonModule(L.LightningModule):
@@ -114,6 +113,7 @@ def main() -> None:
         strategy = zeroshard.ZeroFabricStrategy(
             stage=stage,
             wrap_policy=wrap_block(run.get("model", "net")) if stage == 3 else None,
+            shard_group_size=run.get("shard_group_size"),
             reduce_bucket_size=900,
             allgather_bucket_size=2000,
         )
