@@ -93,7 +93,8 @@ class ZeroEngine:
 
     Attributes:
         optimizers: the optimizers to step, in the order given: each rewired onto its master shards, or its
-            :class:`~zeroshard.offload.offload.OffloadedAdam` replacement when offloading Adam/AdamW.
+            :class:`~zeroshard.offload.offload.OffloadedAdam` replacement when offloading Adam/AdamW, or the
+            :class:`~zeroshard.optim.sharded_muon.ShardedMuon` replacing a ``torch.optim.Muon``.
         optimizer: the only optimizer (``optimizers[0]``); an error when there are several.
         offload: the :class:`~zeroshard.offload.offload.OptimizerOffload` (``None`` without ``offload_optimizer``).
 

@@ -35,7 +35,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # torch's
 
 from zeroshard.sharding.flat_param import FlatParam
 from zeroshard.sharding.matrix_exchange import AllToAllStats, all_to_all_pieces
-from zeroshard.sharding.owner_assignment import Piece, assign_owners, pieces_by_rank
+from zeroshard.sharding.owner_assignment import Piece, assign_owners, ns_flops, pieces_by_rank
 
 
 class Matrix(NamedTuple):
@@ -177,8 +177,6 @@ class ShardedMuon(Optimizer):
 
     def owned_flops(self, steps: int | None = None) -> list[int]:
         """Newton-Schulz FLOPs each rank runs per step (:func:`~zeroshard.sharding.owner_assignment.ns_flops`)."""
-        from zeroshard.sharding.owner_assignment import ns_flops
-
         steps = steps if steps is not None else self.defaults["ns_steps"]
         out = [0] * self.world_size
         for m in self.matrices:
