@@ -126,26 +126,41 @@ class RowBlockMuon(torch.optim.Optimizer):
                 p.add_(ortho, alpha=-_adjust_lr(g["lr"], None, p.shape))
 
 
-def train_reference(run: dict, world: int, row_blocks: bool, chunks: int = 1) -> dict[str, torch.Tensor]:
+def train_reference(
+    run: dict, world: int, row_blocks: bool, chunks: int = 1, per_micro_batch: bool = False
+) -> dict[str, torch.Tensor]:
     """10 (``run["steps"]``) steps single-process; ``chunks`` > 1 takes each step's batch as that many backward
-    passes of equal slices (the same gradient, summed in another order: the reference's own rounding noise)."""
+    passes of equal slices (the same gradient, summed in another order: the reference's own rounding noise).
+    ``per_micro_batch``: Muon steps on each micro-batch's gradient (Newton-Schulz once per micro-batch instead of once
+    per optimizer step: DeepSpeed issue 8443's failure under gradient accumulation), AdamW once per step."""
     torch.manual_seed(7)
     model = make_model(run.get("model", "net"))
     muon, rest = split_params(model)
     opt_m = RowBlockMuon(muon, world) if row_blocks else torch.optim.Muon(muon, lr=0.02, weight_decay=0.1)
-    opts = [opt_m, torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)]
+    opt_a = torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.01)
     accumulate = run.get("accumulate", 1)
+    clip = run.get("clip")
     for step in range(run.get("steps", 10)):
         batches = [global_batch(step, micro) for micro in range(accumulate)]
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
-            (loss_of(model, xc, yc) / chunks).backward()
-        if run.get("clip"):
-            for params in (muon, rest):
-                torch.nn.utils.clip_grad_norm_(params, run["clip"])
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        if per_micro_batch:
+            for x, y in batches:
+                (loss_of(model, x, y) / accumulate).backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(muon, clip)
+                opt_m.step()
+                opt_m.zero_grad()
+        else:
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            for xc, yc in zip(x.chunk(chunks), y.chunk(chunks)):
+                (loss_of(model, xc, yc) / chunks).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(muon, clip)
+            opt_m.step()
+            opt_m.zero_grad()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(rest, clip)
+        opt_a.step()
+        opt_a.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
