@@ -39,11 +39,13 @@ from zeroshard.offload.offload import (
     threads_per_rank,
 )
 from zeroshard.optim.engine_state_format import adam_class_without_offload, apply_state_dtype, resolve_state_dtype
+from zeroshard.optim.matrix_optimizers import check_matrix_optimizers, needs_whole_matrices
 from zeroshard.optim.optim_state import (
     check_consolidated_state_dict,
     consolidated_state_dict,
     load_consolidated_state_dict,
 )
+from zeroshard.optim.sharded_muon import ShardedMuon
 from zeroshard.optim.sharded_optimizer import OptimizerSet
 from zeroshard.optim.small_state import apart_rule, fp32_state_masters, min_8bit_size_of
 from zeroshard.pretrained import apply_recorded_pretrained
@@ -57,6 +59,7 @@ from zeroshard.sharding.gloo_exit import drain_gloo_workers_at_exit
 from zeroshard.sharding.grad_reducer import GradReducer
 from zeroshard.sharding.hybrid import HybridGradReduction, data_parallel_groups
 from zeroshard.sharding.managed import register_engine
+from zeroshard.sharding.matrix_exchange import AllToAllStats
 from zeroshard.sharding.sharded_param import real_parameter
 from zeroshard.sharding.sharded_units import ShardedUnits, Unit
 from zeroshard.sharding.units import plan_units
@@ -90,7 +93,8 @@ class ZeroEngine:
 
     Attributes:
         optimizers: the optimizers to step, in the order given: each rewired onto its master shards, or its
-            :class:`~zeroshard.offload.offload.OffloadedAdam` replacement when offloading Adam/AdamW.
+            :class:`~zeroshard.offload.offload.OffloadedAdam` replacement when offloading Adam/AdamW, or the
+            :class:`~zeroshard.optim.sharded_muon.ShardedMuon` replacing a ``torch.optim.Muon``.
         optimizer: the only optimizer (``optimizers[0]``); an error when there are several.
         offload: the :class:`~zeroshard.offload.offload.OptimizerOffload` (``None`` without ``offload_optimizer``).
 
@@ -144,6 +148,7 @@ class ZeroEngine:
 
         self.optim = OptimizerSet(optimizer if isinstance(optimizer, Optimizer) else list(optimizer))
         _check_overlap(config, self.optim)
+        _check_matrix(config, self.optim)
         # each optimizer's moment format (ZeroConfig.optimizer_state_dtype), refused here if it cannot keep it
         self.state_dtypes = self._state_dtypes(self.optim)
         self.original_groups = self.optim.original_groups()  # every optimizer's groups, numbered in one sequence
@@ -157,6 +162,7 @@ class ZeroEngine:
             apply_state_dtype(opt, fmt)  # a CPUAdam; with offload, OffloadedAdam below is built in ``fmt``
         if not config.offload_optimizer:
             _replace_adam(self.optim, self.state_dtypes)  # CPUAdam on CPU masters, DeviceAdam on GPU masters
+        self._shard_matrix_optimizers(self.optim)  # Muon: whole matrices on owner ranks
         # int8: the flat parameters of small parameters keep fp32 moments (zeroshard.optim.small_state)
         fp32_masters = self._fp32_state_masters(self.flat_params, groups)
         if config.offload_optimizer:
@@ -195,6 +201,18 @@ class ZeroEngine:
         register_engine(module, self)
         # load_pretrained() called on the meta model (or a submodule of it): each rank now reads only its shards' pieces
         self.pretrained_reports = apply_recorded_pretrained(self)
+
+    def _shard_matrix_optimizers(self, optim: OptimizerSet) -> None:
+        """Replaces each ``torch.optim.Muon`` by a :class:`~zeroshard.optim.sharded_muon.ShardedMuon` over its master
+        shards (the strategies point LR schedulers at it, as for a replaced Adam); its all-to-alls are counted in
+        ``comm_stats()["groups"]["matrix"]``."""
+        for oi, opt in enumerate(optim.optimizers):
+            if needs_whole_matrices(opt):
+                stats = self._comm_stats.get("matrix")
+                if stats is None:
+                    stats = AllToAllStats(dist.get_backend(self.process_group), self.world_size)
+                    self._comm_stats["matrix"] = stats
+                optim.optimizers[oi] = ShardedMuon(opt, optim.flat_params_of(opt), self.process_group, stats)
 
     def _state_dtypes(self, optim: OptimizerSet) -> list:
         """The moment format of each optimizer of ``optim`` (:func:`resolve_state_dtype`; ValueError if one cannot)."""
@@ -479,6 +497,7 @@ class ZeroEngine:
         if any(p.requires_grad and id(p) not in held for group in groups for p in group):
             return False
         _check_overlap(self.config, new)
+        _check_matrix(self.config, new)
         state_dtypes = self._state_dtypes(new)
         self.optim, self.original_groups, self.state_dtypes = new, groups, state_dtypes
         new.rewire(self.flat_params, group_of_flat)
@@ -486,6 +505,7 @@ class ZeroEngine:
             apply_state_dtype(opt, fmt)
         if self.offload is None:
             _replace_adam(new, state_dtypes)
+        self._shard_matrix_optimizers(new)
         # flat parameters built for another optimizer: those of small parameters only keep fp32 moments under int8
         fp32_masters = self._fp32_state_masters(self.flat_params, group_of_flat)
         if self.offload is not None:
@@ -802,6 +822,15 @@ def _check_overlap(config: ZeroConfig, optim: OptimizerSet) -> None:
             f"{len(optim.optimizers)} (a loop that steps only some of them, like a GAN's, cannot know "
             "during backward which will step). Drop overlap_step, or use one optimizer with several param groups."
         )
+
+
+def _check_matrix(config: ZeroConfig, optim: OptimizerSet) -> None:
+    """A matrix optimizer (Muon) never receives flat shards: refused here unless it has a whole-matrix path."""
+    check_matrix_optimizers(
+        optim.optimizers,
+        stage=config.stage,
+        offload_optimizer=config.offload_optimizer,
+    )
 
 
 def master_gradients(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -12,7 +12,8 @@ grads               stage 1: the whole gradient buffer (kept) + the fp32 gradien
 master              fp32 master shard, when it does not alias the parameter shard (compute dtype is not fp32)
 optimizer_state     Adam's exp_avg and exp_avg_sq shards (8 bytes per element; bf16 4, int8 2 + 8 per 2048; under
                     int8 the parameters below ``min_8bit_size`` sit in flat parameters of their own with fp32 moments,
-                    as the engine builds them: ``optim/small_state.py``)
+                    as the engine builds them: ``optim/small_state.py``); Muon's momentum shard for
+                    ``Training.muon_shapes`` (4 bytes per element, plan/muon_memory.py)
 buckets             the largest transient: gradient buckets in flight during backward (max_inflight + 1 full
                     buffers at stages 2-3), autograd's gradient of the largest parameter before the hook takes it, the
                     all-gather staging of several flat parameters after the step; with offload on a GPU, the gradient
@@ -25,7 +26,8 @@ activations         saved for backward per micro-batch, a pre-LayerNorm transfor
                     checkpointing plus one layer recomputed; and the logits (compute dtype, fp32 copy, log-softmax,
                     its gradient). Korthikanti et al. 2022 count 34 s b h bytes per layer in 16 bits with two
                     dropout masks and without flash attention; this is 32 s b h for f = 4 h
-step_temp           temporaries of the device optimizer step (torch's foreach AdamW: two shard-sized tensors)
+step_temp           temporaries of the device optimizer step (torch's foreach AdamW: two shard-sized tensors; with
+                    Muon, the larger of that and the busiest owner's whole-matrix buffers, plan/muon_memory.py)
 comm_temp           the backend's own copies: gloo runs reduce-scatter as an all-reduce of a copy of the input (1.5 x
                     the bucket measured) and all-gather through a full-size copy; 0 on NCCL (in place)
 cuda_context        CUDA context and library workspaces (0 on CPU)
@@ -53,6 +55,7 @@ from zeroshard import _C
 from zeroshard.ops import QUANT_BLOCK
 from zeroshard.plan.cluster import Cluster
 from zeroshard.plan.model_spec import ModelSpec, Shape, _numel
+from zeroshard.plan.muon_memory import muon_step_bytes
 
 DEVICE_ITEMS = ("params", "grads", "master", "optimizer_state", "buckets", "comm_temp", "gathered_units", "activations",
                 "step_temp", "cuda_context")  # fmt: skip
@@ -85,6 +88,7 @@ class Training:
     max_inflight_buckets: int = 2
     offload_chunk_size: int = 4 * 1024 * 1024
     align_bytes: int = 64
+    muon_shapes: tuple = ()  # shapes of the matrices torch.optim.Muon steps (the rest: Adam), see plan/muon_memory.py
 
     def __post_init__(self) -> None:
         if self.optimizer_state_dtype is not None and not any(
@@ -314,6 +318,10 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         if p != 4:
             dev["master"] = 4.0 * shard_t
         dev["step_temp"] = 2 * 4.0 * shard_t  # torch's foreach AdamW: the denominator and the update
+        if train.muon_shapes:  # Muon: 4 bytes of momentum where Adam keeps 8, and its step's transients
+            muon = muon_step_bytes(train.muon_shapes, k)
+            dev["optimizer_state"] += muon["momentum"] - muon["adam_state_saved"]
+            dev["step_temp"] = max(dev["step_temp"], muon["step_temp"])
     else:
         host["master"] = 4.0 * shard_t
         host["optimizer_state"] = fp.state_bytes(train)

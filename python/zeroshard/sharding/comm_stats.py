@@ -3,7 +3,8 @@
 Every bucketed collective is counted in C++ (``_C.CommStats``, one per process group): calls, full-buffer bytes, the
 bytes this rank sends in a ring (all-gather and reduce-scatter F (N-1)/N, all-reduce 2 F (N-1)/N for a full buffer of F
 bytes over N ranks) and, on gloo, the bytes really put on the wire (gloo's reduce-scatter is an all-reduce, twice the
-bytes). A step is everything between two ``engine.after_step()`` calls.
+bytes). A step is everything between two ``engine.after_step()`` calls. The whole-matrix exchange of a matrix optimizer
+(:mod:`zeroshard.sharding.matrix_exchange`) is counted in Python as ``all_to_all``, in a group of its own (``matrix``).
 
 Theory (Rajbhandari et al. 2020, "ZeRO", section 7, with Psi the bytes of the parameters in the dtype each collective
 carries and N the ranks sharing a shard): DDP and stages 1-2 send 2 Psi (N-1)/N per rank and step (a reduce-scatter of
@@ -14,14 +15,17 @@ rank's gradient shard across the replicas, 2 (Psi / k) (R-1)/R.
 
 from __future__ import annotations
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # all_to_all: whole matrices (Muon)
 FIELDS = ("calls", "tensor_bytes", "bytes", "wire_bytes")
+
+
+_ZERO = {"calls": 0, "tensor_bytes": 0, "bytes": 0, "wire_bytes": 0}
 
 
 def _add(a: dict, b: dict) -> dict:
     out = {}
     for kind in KINDS:
-        x, y = a[kind], b[kind]
+        x, y = a.get(kind, _ZERO), b.get(kind, _ZERO)  # a process group's counters name only the kinds it runs
         row = {f: x[f] + y[f] for f in FIELDS if f != "wire_bytes"}
         wx, wy = x["wire_bytes"], y["wire_bytes"]
         row["wire_bytes"] = None if wx is None or wy is None else wx + wy
