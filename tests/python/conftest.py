@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -14,3 +15,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multi_gpu" in item.keywords and n_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least 2 CUDA GPUs"))
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A one-rank gloo process group for a module's single-process engine tests (a module may define its own, as
+    test_offload_gpu.py does for NCCL)."""
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from ckpt_tools import edit_index, version_dir
 from launch import run_ranks
@@ -32,14 +31,6 @@ from zeroshard import ZeroConfig, ZeroEngine, ZeroFabricStrategy, ZeroStrategy
 from zeroshard.checkpoint.sharded_checkpoint import load_sharded, save_sharded
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _engine(optimizer: str = "adamw", seed: int = 0, **config) -> ZeroEngine:

@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from launch import run_ranks
 from tiny_lm import Block, TinyLM
 from torch import nn
@@ -37,14 +36,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def fresh_warnings():
     setup_checks._WARNED.clear()  # the single-unit warning is once per process
     yield
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _setup(strategy, model: nn.Module, compute_dtype=None):

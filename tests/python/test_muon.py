@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from launch import run_ranks
 from muon_model import rel_err
 from muon_model import train_reference as _train_reference
@@ -30,14 +29,6 @@ TOL = 1e-5  # the issue's parity bound, relative, per parameter
 
 
 # -- single process ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 class Shampooish(torch.optim.SGD):

@@ -9,20 +9,11 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
 from zeroshard import _C, CPUAdam, ZeroConfig, ZeroEngine
 from zeroshard.offload.offload import OffloadedAdam, threads_per_rank
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def _model() -> TinyLM:
