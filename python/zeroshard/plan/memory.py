@@ -202,15 +202,17 @@ def flat_plan(spec: ModelSpec, train: Training, layout: Layout, world: int) -> F
     # the engine's plan_buckets: reverse registration order, one open bucket per kind (set apart or not), each cut at
     # reduce_bucket_size
     buckets: list[tuple[list[Shape], bool]] = []
-    open_bucket: dict[bool, tuple[list[Shape], bool]] = {}
+    open_bucket: dict[bool, int] = {}  # kind -> index of its open bucket in buckets
+    sizes: list[int] = []
     for s in reversed(shapes):
-        key = small(s)
-        bucket = open_bucket.get(key)
-        if bucket is None or sum(map(_numel, bucket[0])) + _numel(s) > train.reduce_bucket_size:
-            bucket = ([], key)
-            buckets.append(bucket)
-            open_bucket[key] = bucket
-        bucket[0].append(s)
+        key, n = small(s), _numel(s)
+        i = open_bucket.get(key)
+        if i is None or sizes[i] + n > train.reduce_bucket_size:
+            i = open_bucket[key] = len(buckets)
+            buckets.append(([], key))
+            sizes.append(0)
+        buckets[i][0].append(s)
+        sizes[i] += n
     frozen = [sum(u.frozen_numel for u in spec.units)]
     return FlatPlan(k, [_padded(b, k, align) for b, _ in buckets], frozen, 0, [], largest, [f for _, f in buckets])
 
