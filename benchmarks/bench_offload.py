@@ -406,7 +406,10 @@ def state_dtype_of(name: str):
     """``ZeroConfig.optimizer_state_dtype`` named by a config's ``_bf16_state`` / ``_int8_state`` suffix (else None)."""
     import torch
 
-    return {"_bf16_state": torch.bfloat16, "_int8_state": "int8"}.get(name[name.rfind("_", 0, -6) :], None)
+    for suffix, fmt in (("_bf16_state", torch.bfloat16), ("_int8_state", "int8")):
+        if name.endswith(suffix):
+            return fmt
+    return None
 
 
 def run_training(name: str, args: argparse.Namespace, device) -> dict:
