@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from launch import run_ranks
-from test_offload import group  # noqa: F401  (a gloo group of one, a module fixture)
 
 SCRIPT = Path(__file__).parent / "scripts" / "nonfinite_runs.py"
 CONFIGS = {

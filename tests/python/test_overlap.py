@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_offload import group  # noqa: F401  (the gloo group of one, a module fixture)
 from tiny_lm import SEQ, VOCAB, Block, TinyLM
 
 from zeroshard import ZeroConfig, ZeroEngine
