@@ -60,9 +60,10 @@ def make_runs(device: str, n: int, fmt, impls=IMPLS) -> dict:
             adam_step_torch(p, grad, st, step=t[0], compile=compiled, **HYPER)
 
         runs[name] = run
-    if device == "cpu":
-        p = torch.randn(n, generator=gen)
-        st = new_moments((n,), fmt)
+    # zeroshard's kernel through ops.adam_step: the fused CPU kernel, or the CUDA one where this build has it
+    if device == "cpu" or _C.adam_cuda_available():
+        p = torch.randn(n, generator=gen).to(device)
+        st = {k: v.to(device) for k, v in new_moments((n,), fmt).items()}
         absmax = {k: st[k] for k in ("exp_avg_absmax", "exp_avg_sq_absmax") if k in st}
         t = [0]
 
@@ -70,19 +71,8 @@ def make_runs(device: str, n: int, fmt, impls=IMPLS) -> dict:
             t[0] += 1
             ops.adam_step(p, grad, st["exp_avg"], st["exp_avg_sq"], step=t[0], **HYPER, **absmax)
 
-        runs["cpu_adam_kernel"] = kernel
-    else:
-        if _C.adam_cuda_available():  # zeroshard's CUDA kernel: ops.adam_step on CUDA tensors
-            p = torch.randn(n, generator=gen).to(device)
-            st = {k: v.to(device) for k, v in new_moments((n,), fmt).items()}
-            absmax = {k: st[k] for k in ("exp_avg_absmax", "exp_avg_sq_absmax") if k in st}
-            t = [0]
-
-            def cuda_kernel():
-                t[0] += 1
-                ops.adam_step(p, grad, st["exp_avg"], st["exp_avg_sq"], step=t[0], **HYPER, **absmax)
-
-            runs["cuda_kernel"] = cuda_kernel
+        runs["cpu_adam_kernel" if device == "cpu" else "cuda_kernel"] = kernel
+    if device != "cpu":
         if fmt == torch.float32:
             q = torch.nn.Parameter(torch.randn(n, generator=gen).to(device))
             q.grad = grad.clone()
