@@ -59,8 +59,14 @@ struct Ops {
 
   // int8 state (adam_kernel_quant.h): 16 codes as int32 lanes, table lookups, exact comparisons.
   using VI = __m512i;
-  static V gather(const float* table, VI idx) { return _mm512_i32gather_ps(idx, table, 4); }
-  static VI gather(const int32_t* table, VI idx) { return _mm512_i32gather_epi32(idx, table, 4); }
+  static V lookup(const float* table, const uint8_t* codes) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))), table,
+                               4);
+  }
+  static VI lookup(const int32_t* table, const int32_t* idx) {
+    return _mm512_i32gather_epi32(_mm512_loadu_si512(idx), table, 4);
+  }
+  static void store_i32(int32_t* p, VI x) { _mm512_storeu_si512(p, x); }
   // Bucket of n in QuantMap's lookup tables (see the scalar build): integer ops on the bits, no rounding.
   static VI lut_index(V n) {
     const __m512i u = _mm512_castps_si512(n);
@@ -78,9 +84,6 @@ struct Ops {
         _mm512_cmp_ps_mask(n, t, _CMP_GE_OQ) & _mm512_test_epi32_mask(e, _mm512_set1_epi32(kLutHasThreshold));
     const __m512i c = _mm512_and_si512(_mm512_srli_epi32(e, 16), _mm512_set1_epi32(0xFF));
     return _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
-  }
-  static VI load_u8(const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store_u8(uint8_t* p, VI x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   // max |x[i]| over [0, n) (n a multiple of 16); NaN if any element is NaN (tracked apart, see the AVX2 build).

@@ -29,23 +29,21 @@ inline void dequant_block(const uint8_t* codes, int64_t len, const float* values
   constexpr int64_t W = Ops::kWidth;
   const auto s = Ops::set1(absmax);
   int64_t i = 0;
-  for (; i + W <= len; i += W) Ops::store(out + i, Ops::mul(Ops::gather(values, Ops::load_u8(codes + i)), s));
+  for (; i + W <= len; i += W) Ops::store(out + i, Ops::mul(Ops::lookup(values, codes + i), s));
   for (; i < len; ++i) out[i] = values[codes[i]] * absmax;  // one rounding: the vector lanes' bits
   for (; i % W != 0; ++i) out[i] = 0.f;
 }
 
-// Index of the nearest map value of each lane of n (finite): the number of thresholds[1..255] that n reaches (>=),
-// read from the map's bucket table (QuantMap): one table lookup and one comparison.
-template <class Ops>
-inline typename Ops::VI nearest_code(typename Ops::V n, const QuantMap& map) {
-  return Ops::lut_code(n, Ops::gather(map.lut, Ops::lut_index(n)));
-}
-
 // Quantises x[0, len) (fp32, zero past len up to the vector width) into codes[0, len); returns the block's absmax
-// (NaN if any element is NaN or inf).
+// (NaN if any element is NaN or inf). The nearest code of n = x / absmax is the number of thresholds[1..255] that n
+// reaches, read from n's bucket of the map's lookup table (QuantMap): one table lookup and one comparison per element.
+// In slices of kQuantSlice elements, three passes over L1: n and its bucket index into stack buffers, then the table
+// lookups from memory-resident indices (Ops::lookup: scalar loads where the ISA's gather is slower), then the codes.
 template <class Ops>
 inline float quant_block(const float* x, int64_t len, const QuantMap& map, uint8_t* codes) {
   constexpr int64_t W = Ops::kWidth;
+  constexpr int64_t kQuantSlice = 256;
+  static_assert(kQuantSlice % W == 0, "a slice holds whole vectors");
   const int64_t padded = (len + W - 1) / W * W;
   const float absmax = Ops::block_absmax(x, padded);  // NaN if any NaN; inf if any inf
   if (!__builtin_isfinite(absmax)) {
@@ -53,12 +51,25 @@ inline float quant_block(const float* x, int64_t len, const QuantMap& map, uint8
     return __builtin_nanf("");
   }
   const auto d = Ops::set1(absmax == 0.f ? 1.f : absmax);  // all zeros: n = 0, the code of 0.0
-  int64_t i = 0;
-  for (; i + W <= len; i += W) Ops::store_u8(codes + i, nearest_code<Ops>(Ops::div(Ops::load(x + i), d), map));
-  if (i < len) {
-    alignas(64) uint8_t tail[W];
-    Ops::store_u8(tail, nearest_code<Ops>(Ops::div(Ops::load(x + i), d), map));
-    __builtin_memcpy(codes + i, tail, static_cast<unsigned long>(len - i));
+  alignas(64) float nb[kQuantSlice];
+  alignas(64) int32_t ib[kQuantSlice];
+  for (int64_t s = 0; s < padded; s += kQuantSlice) {
+    const int64_t m = padded - s < kQuantSlice ? padded - s : kQuantSlice;
+    for (int64_t i = 0; i < m; i += W) {
+      const auto n = Ops::div(Ops::load(x + s + i), d);
+      Ops::store(nb + i, n);
+      Ops::store_i32(ib + i, Ops::lut_index(n));
+    }
+    for (int64_t i = 0; i < m; i += W) {
+      const auto c = Ops::lut_code(Ops::load(nb + i), Ops::lookup(map.lut, ib + i));
+      if (s + i + W <= len) {
+        Ops::store_u8(codes + s + i, c);
+      } else {  // the last vector of the block: only its first len - (s + i) codes are the block's
+        alignas(64) uint8_t tail[W];
+        Ops::store_u8(tail, c);
+        __builtin_memcpy(codes + s + i, tail, static_cast<unsigned long>(len - (s + i)));
+      }
+    }
   }
   return absmax;
 }

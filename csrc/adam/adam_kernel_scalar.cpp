@@ -88,8 +88,9 @@ struct Ops {
 
   // int8 state (adam_kernel_quant.h): codes as int32 lanes, table lookups, exact comparisons.
   using VI = int32_t;
-  static V gather(const float* table, VI idx) { return table[idx]; }
-  static VI gather(const int32_t* table, VI idx) { return table[idx]; }
+  static V lookup(const float* table, const uint8_t* codes) { return table[*codes]; }
+  static VI lookup(const int32_t* table, const int32_t* idx) { return table[*idx]; }
+  static void store_i32(int32_t* p, VI x) { *p = x; }
   // Bucket of n in QuantMap's lookup tables: sign, then (|n| bits >> 16) - kLutBase clamped to [0, kLutBuckets).
   static VI lut_index(V n) {
     const uint32_t u = bits_of(n);
@@ -102,7 +103,6 @@ struct Ops {
     const float t = float_of((bits_of(n) & 0xFFFF0000u) | (static_cast<uint32_t>(e) & 0xFFFFu));
     return ((e >> 16) & 0xFF) + ((e & kLutHasThreshold) != 0 && n >= t ? 1 : 0);
   }
-  static VI load_u8(const uint8_t* p) { return *p; }
   static void store_u8(uint8_t* p, VI x) { *p = static_cast<uint8_t>(x); }
   // max |x[i]| over [0, n); NaN if any element is NaN.
   static float block_absmax(const float* x, int64_t n) {
