@@ -275,7 +275,6 @@ def test_planner_counts_muon_momentum_as_the_engine_holds_it(group):
     planned = muon_step_bytes([(10, 6), (5, 10)], 1)
     padding = 4 * sum(fp.layout.padded_numel - sum(fp.layout.numels) for fp in muon_fps)
     assert held == planned["momentum"] + padding
-    assert planned["adam_state_saved"] == 2 * planned["momentum"]
     # one owner: both matrices received and sent back (2 bytes each way) + Newton-Schulz on the 10 x 6 one
     assert planned["step_temp"] == 4 * 110 + 4 * 110 + 8 * 60 + 4 * 36
 
@@ -293,3 +292,20 @@ def test_planner_memory_takes_muon_shapes():
         k = cluster.world_size
         assert adam["optimizer_state"] - muon["optimizer_state"] == 4 * -(-sum(a * b for a, b in shapes) // k)
         assert muon["step_temp"] >= adam["step_temp"]
+
+
+@pytest.mark.parametrize("fmt, adam_bytes", [(torch.bfloat16, 4), ("int8", 2)])
+def test_planner_muon_momentum_replaces_the_adam_state_format(fmt, adam_bytes):
+    """With bf16 or int8 Adam state, Muon's fp32 momentum (4 bytes per element) costs more than the Adam moments it
+    replaces (4 and about 2 bytes): the planner adds the difference instead of subtracting 8 - 4."""
+    from zeroshard.plan import PRESETS, Layout, Training, gpt_spec, memory
+
+    spec, cluster = gpt_spec(4, 256, 4, 512, 128), PRESETS["h100"]
+    shapes = tuple(s for _ in range(4) for s in ((768, 256), (256, 256), (1024, 256), (256, 1024)))
+    shard = -(-sum(a * b for a, b in shapes) // cluster.world_size)
+    for stage in (1, 2, 3):
+        adam = memory(spec, Training(optimizer_state_dtype=fmt), Layout(stage), cluster)["device"]
+        muon = memory(spec, Training(optimizer_state_dtype=fmt, muon_shapes=shapes), Layout(stage), cluster)["device"]
+        grown = muon["optimizer_state"] - adam["optimizer_state"]
+        # int8's fp32 absmax (8 bytes per block of 2048 of both moments) is within 1% of the element bytes
+        assert grown == pytest.approx((4 - adam_bytes) * shard, rel=0.01)

@@ -115,6 +115,18 @@ def optimizer_state_bytes(train: Training, shards: list[int]) -> float:
     return float(2 * fmt.itemsize * sum(shards))
 
 
+def muon_adam_state_bytes(train: Training, k: int) -> float:
+    """Bytes of Adam state the Muon matrices' elements (``train.muon_shapes``) would keep in one rank's shard (of
+    ``k``) under ``train``'s state format: what Muon's fp32 momentum replaces. Muon's momentum is fp32 whatever the
+    format (torch.optim.Muon's ``momentum_buffer``; ``optimizer_state_dtype`` applies to the fused Adam only), so with
+    bf16 or int8 Adam state Muon adds bytes where with fp32 it saves them. Under int8, matrices of fewer than
+    ``min_8bit_size`` elements would keep fp32 moments (8 bytes)."""
+    numels = [int(s[0]) * int(s[1]) for s in train.muon_shapes]
+    small = [n for n in numels if train.optimizer_state_dtype == "int8" and n < train.min_8bit_size]
+    large = sum(numels) - sum(small)
+    return optimizer_state_bytes(train, [-(-large // k)]) + 8.0 * -(-sum(small) // k)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One configuration: ZeRO stage (or ``"ddp"``), offload, and the shard group size (``None``: every rank)."""
@@ -320,9 +332,9 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         if p != 4:
             dev["master"] = 4.0 * shard_t
         dev["step_temp"] = 2 * 4.0 * shard_t  # torch's foreach AdamW: the denominator and the update
-        if train.muon_shapes:  # Muon: 4 bytes of momentum where Adam keeps 8, and its step's transients
+        if train.muon_shapes:  # Muon: 4 bytes of fp32 momentum where Adam keeps its format, and its step's transients
             muon = muon_step_bytes(train.muon_shapes, k)
-            dev["optimizer_state"] += muon["momentum"] - muon["adam_state_saved"]
+            dev["optimizer_state"] += muon["momentum"] - muon_adam_state_bytes(train, k)
             dev["step_temp"] = max(dev["step_temp"], muon["step_temp"])
     else:
         host["master"] = 4.0 * shard_t

@@ -22,9 +22,9 @@ def muon_step_bytes(shapes: Sequence[Sequence[int]], shard_group_size: int) -> d
     """Bytes per rank for Muon over matrices of ``shapes`` sharded over ``shard_group_size`` ranks.
 
     Returns:
-        ``{"momentum": resident fp32 momentum of this rank's shard, "adam_state_saved": the 8-byte Adam state those
-        elements would have kept, "step_temp": the transient peak of the step on the busiest owner}`` (module
-        docstring).
+        ``{"momentum": resident fp32 momentum of this rank's shard, "step_temp": the transient peak of the step on the
+        busiest owner}`` (module docstring). The Adam state those elements would have kept depends on the state format:
+        :func:`zeroshard.plan.memory.muon_adam_state_bytes`.
     """
     k = shard_group_size
     numels = [int(s[0]) * int(s[1]) for s in shapes]
@@ -36,4 +36,4 @@ def muon_step_bytes(shapes: Sequence[Sequence[int]], shard_group_size: int) -> d
         owned = sum(numels[i] for i in mine)
         ns = max((8 * numels[i] + 4 * min(shapes[i]) ** 2 for i in mine), default=0)
         step_temp = max(step_temp, 4.0 * shard + 4.0 * owned + ns)
-    return {"momentum": 4.0 * shard, "adam_state_saved": 8.0 * shard, "step_temp": step_temp}
+    return {"momentum": 4.0 * shard, "step_temp": step_temp}
