@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from zeroshard import _C
 from zeroshard.sharding import gather_check
 from zeroshard.sharding.collective_errors import DivergedRanksError, named_collective
+from zeroshard.sharding.event_clock import EventClock, TimedCollectives
 from zeroshard.sharding.flat_param import FlatParam
 from zeroshard.sharding.runtime_hook import RuntimeHook
 from zeroshard.sharding.sharded_param import ShardedParameter
@@ -91,7 +92,7 @@ class _RegatherBeforeBackward(_UnitIdentity):
     @staticmethod
     def backward(ctx, *grads):
         with _profiled("zeroshard::pre_backward"):
-            ctx.runtime._pre_backward(ctx.index)
+            ctx.runtime.pre_backward_event(ctx.index)
         return (None, None, *grads)
 
 
@@ -102,7 +103,7 @@ class _PostBackward(_UnitIdentity):
     @staticmethod
     def backward(ctx, *grads):
         with _profiled("zeroshard::post_backward"):
-            ctx.runtime._post_backward(ctx.index)
+            ctx.runtime.post_backward_event(ctx.index)
         return (None, None, *grads)
 
 
@@ -155,19 +156,22 @@ class ShardedUnits:
         self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
         self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
         self._activity: str | None = None  # what gathers units outside forward/backward now (see activity())
+        # what the backward autograd functions call: the event methods, or timed ones while a clock is attached
+        self.pre_backward_event, self.post_backward_event = self._pre_backward, self._post_backward
+        self._hooks: list[tuple[RuntimeHook, object]] = []  # every forward hook and its untimed callable
         for i, unit in enumerate(units):
             if unit.is_root:
                 continue
-            pre, post = self._make_pre_forward(i), self._make_post_forward(i)
-            pre, post = RuntimeHook(pre, "zeroshard::pre_forward"), RuntimeHook(post, "zeroshard::post_forward")
+            pre = self._hook(self._make_pre_forward(i), "zeroshard::pre_forward")
+            post = self._hook(self._make_post_forward(i), "zeroshard::post_forward")
             self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(post))
         root = units[0].module
         for module in _root_hook_modules(root, units[0]):
-            pre = RuntimeHook(self._root_pre_forward, "zeroshard::root_pre_forward")
+            pre = self._hook(self._root_pre_forward, "zeroshard::root_pre_forward")
             self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(
-                module.register_forward_hook(RuntimeHook(self._root_post_forward, "zeroshard::root_post_forward"))
+                module.register_forward_hook(self._hook(self._root_post_forward, "zeroshard::root_post_forward"))
             )
         _attach_slots(root, units, self)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
@@ -177,10 +181,33 @@ class ShardedUnits:
             m._is_fsdp_managed_module = True
             m._fsdp_use_orig_params = True
 
+    def _hook(self, fn, label: str) -> RuntimeHook:
+        hook = RuntimeHook(fn, label)
+        self._hooks.append((hook, fn))
+        return hook
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def time_events(self, clock: EventClock | None) -> None:
+        """Benchmarks: records every unit event's main-thread CPU time, its all-gathers excluded, into ``clock``
+        (:mod:`~zeroshard.sharding.event_clock`); None stops. Swaps the hooks' callables and the gather collectives,
+        so the hooks run no timing code while no clock is attached. The debug gather-order check
+        (``check_gather_order``) is not excluded."""
+        collectives = getattr(self.collectives, "inner", self.collectives)
+        if clock is None:
+            self.collectives = collectives
+            for hook, fn in self._hooks:
+                hook.fn = fn
+            self.pre_backward_event, self.post_backward_event = self._pre_backward, self._post_backward
+            return
+        self.collectives = TimedCollectives(collectives, clock)
+        for hook, fn in self._hooks:
+            hook.fn = clock.timed(hook.label.split("::")[-1], fn)
+        self.pre_backward_event = clock.timed("pre_backward", self._pre_backward)
+        self.post_backward_event = clock.timed("post_backward", self._post_backward)
 
     # -- gather and free -----------------------------------------------------------------------------------------------
 
