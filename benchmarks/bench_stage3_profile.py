@@ -316,7 +316,32 @@ def markdown(data: dict) -> str:
             f"{_fmt(pd['backend_collectives_per_step'])} |",
             "",
         ]
+    lines += _python_summary(data)
     return "\n".join(lines)
+
+
+def _python_summary(data: dict) -> list[str]:
+    """One table of every entry's Python us per unit event (median / p90), for before/after comparisons."""
+    rows = [(label, e) for label, e in data.items() if e.get("python_us_per_event")]
+    if not rows:
+        return []
+    names = EVENTS[:4]
+    lines = [
+        "## Python CPU us per unit event, every entry (median / p90; main thread, all-gathers excluded)",
+        "",
+        "| entry | model | load | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    for label, e in rows:
+        ev = e["python_us_per_event"]["events"]
+        cells = [f"{ev[n]['us_median']:.0f} / {ev[n]['us_p90']:.0f}" if n in ev else "-" for n in names]
+        c = e["config"]
+        lines.append(
+            f"| {label} | {c['n_layer']} x {c['n_embd']} | {e['load_average_1min_at_end']:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines + [""]
 
 
 def _python_table(py: dict | None) -> list[str]:
