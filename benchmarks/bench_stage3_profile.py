@@ -16,7 +16,16 @@ events) give, per step:
   them to ops (several in one op count once); with the buffer cache (issue 22) its reuses and fresh blocks instead;
 * collectives: the engine's count (``engine.comm_stats()``, last step) and the backend's (profiler ranges ``gloo:*``).
 
-The profiler adds its own cost to every range and op (a few microseconds each), so the event times are upper bounds.
+The profiler adds its own cost to every range and op (a few microseconds each), so the event times are upper bounds,
+and its "CPU us per event (rest)" is wall time: the all-gather's own work and whatever the scheduler gives gloo's
+threads meanwhile. The Python time per unit event is measured apart, without the profiler: ``--clock_steps`` more
+stage-3 steps with an :class:`~zeroshard.sharding.event_clock.EventClock` attached
+(``engine.sharded.time_events(clock)``). Each event's sample is the main thread's CPU time (``time.thread_time_ns``,
+this thread only: gloo's worker threads and time spent descheduled are not in it) from the hook's entry to its exit,
+minus the same clock's deltas around each all-gather launch and ``.wait()`` made inside it: what is left is our Python
+and the small torch ops it calls (views, autograd function application, the tag check's host read). Samples of both
+ranks are pooled; the table gives their count per step and rank, median and 90th percentile, with the clock's own
+cost per sample (an empty timed call, median) alongside: it is inside every sample and not subtracted.
 Writes one entry ``--label`` (e.g. ``before`` / ``after``) into ``--json`` (other labels kept) and the table of all
 entries to the same path with ``.md``.
 
@@ -62,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--label", default="current", help="name of this entry in the JSON (before, after, ...)")
     p.add_argument("--profile_steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--clock_steps", type=int, default=10, help="stage-3 steps timed by the event clock")
     return p.parse_args(argv)
 
 
@@ -140,6 +150,33 @@ def _cache_stats() -> dict | None:
     return _C.buffer_cache_stats() if hasattr(_C, "buffer_cache_stats") else None  # absent before issue 22
 
 
+def clock_run(run: Run, steps: int) -> dict:
+    """Python CPU time per unit event (EventClock, see the module docstring), both ranks' samples pooled."""
+    from zeroshard.sharding.event_clock import EventClock
+
+    clock = EventClock()
+    run.engine.sharded.time_events(clock)
+    try:
+        for _ in range(steps):
+            run.step(record=False)
+    finally:
+        run.engine.sharded.time_events(None)
+    every: list[dict] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, clock.samples)
+    table = {}
+    for name in EVENTS:
+        ns = sorted(x for samples in every for x in samples.get(name, []))
+        if not ns:
+            continue
+        table[name] = {
+            "per_step": len(ns) / steps / len(every),
+            "us_median": ns[len(ns) // 2] / 1e3,
+            "us_p90": ns[min(len(ns) - 1, int(0.9 * len(ns)))] / 1e3,
+            "us_max": ns[-1] / 1e3,
+        }
+    return {"steps": steps, "clock_overhead_us": clock.overhead_ns() / 1e3, "events": table}
+
+
 def profile_run(run: Run, steps: int) -> dict:
     cache0 = _cache_stats()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -211,6 +248,7 @@ def worker(args: argparse.Namespace) -> None:
         c = torch.tensor(r.cpu_s, dtype=torch.float64)
         dist.all_reduce(c, op=dist.ReduceOp.SUM)
         wall[r.kind], cpu[r.kind] = t.tolist(), (c / world).tolist()
+    python_us = clock_run(runs[0], args.clock_steps)
     profiles = {r.kind: profile_run(r, args.profile_steps) for r in runs}
     if rank == 0:
         entry = {
@@ -223,6 +261,7 @@ def worker(args: argparse.Namespace) -> None:
             "step_ms_median": {k: 1e3 * statistics.median(v) for k, v in wall.items()},
             "cpu_ms_median": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
             "ddp_over_stage3_median_of_rounds": statistics.median(d / s for s, d in zip(wall["stage3"], wall["ddp"])),
+            "python_us_per_event": python_us,
             "profile": profiles,
         }
         path = Path(args.json)
@@ -262,6 +301,7 @@ def markdown(data: dict) -> str:
                 f"| {name} | {row['per_step']:.0f} | {row['us_mean']:.0f} | {row['wait_us_mean']:.0f} | "
                 f"{row['cpu_us_mean']:.0f} |"
             )
+        lines += _python_table(e.get("python_us_per_event"))
         a3, ad = p3["allocations_per_step"], pd["allocations_per_step"]
         lines += [
             "",
@@ -276,7 +316,51 @@ def markdown(data: dict) -> str:
             f"{_fmt(pd['backend_collectives_per_step'])} |",
             "",
         ]
+    lines += _python_summary(data)
     return "\n".join(lines)
+
+
+def _python_summary(data: dict) -> list[str]:
+    """One table of every entry's Python us per unit event (median / p90), for before/after comparisons."""
+    rows = [(label, e) for label, e in data.items() if e.get("python_us_per_event")]
+    if not rows:
+        return []
+    names = EVENTS[:4]
+    lines = [
+        "## Python CPU us per unit event, every entry (median / p90; main thread, all-gathers excluded)",
+        "",
+        "| entry | model | load | " + " | ".join(names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    for label, e in rows:
+        ev = e["python_us_per_event"]["events"]
+        cells = [f"{ev[n]['us_median']:.0f} / {ev[n]['us_p90']:.0f}" if n in ev else "-" for n in names]
+        c = e["config"]
+        lines.append(
+            f"| {label} | {c['n_layer']} x {c['n_embd']} | {e['load_average_1min_at_end']:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines + [""]
+
+
+def _python_table(py: dict | None) -> list[str]:
+    """The event clock's table: main-thread CPU us per unit event, all-gathers excluded (absent in older entries)."""
+    if py is None:
+        return []
+    lines = [
+        "",
+        f"Python (main-thread CPU, all-gather launch and wait excluded) per unit event, {py['steps']} steps, both "
+        f"ranks pooled; the clock's own cost, inside every sample: {py['clock_overhead_us']:.1f} us.",
+        "",
+        "| unit event | per step | Python us median | p90 | max |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in py["events"].items():
+        lines.append(
+            f"| {name} | {row['per_step']:.0f} | {row['us_median']:.1f} | {row['us_p90']:.1f} | {row['us_max']:.0f} |"
+        )
+    return lines
 
 
 def _beyond_ddp_us(e: dict) -> float:

@@ -97,6 +97,11 @@ class FlatParam:
         self.slots: list[list[tuple[dict, str]]] | None = None  # stage 3: where each parameter is registered
         self.placeholders = None  # stage 3: ShardedParameter per parameter, in the slots while freed
         self._snapshot: torch.Tensor | None = None  # the shard when gathered, while writes may be written back
+        self._views_of: torch.Tensor | None = None  # the `full` that _storage and _full_views belong to
+        self._full_views: list[torch.Tensor] | None = None  # the parameters' views of `full` (stage 3)
+        self._nan_views: list[torch.Tensor] | None = None  # each parameter's .data while freed (stage 3)
+        self._allocated = True  # whether `full` has its memory (stage 3 frees it between uses)
+        self._installs: list[tuple[dict, str, nn.Parameter, torch.Tensor]] = []  # every slot, its param, placeholder
         self.layout = _C.FlatParamLayout([list(p.shape) for p in params], world_size, align_elems)
         begin, end = self.layout.shard_range(rank)
         with torch.no_grad():
@@ -153,27 +158,44 @@ class FlatParam:
         runtime). ``.data`` swaps do not bump the version counter, so tensors autograd saved in forward stay valid once
         :meth:`alloc_full` points the parameters back into the same storage.
         """
-        storage = self.full.untyped_storage()
         try:
-            storage.resize_(0)
+            self._full_storage().resize_(0)
+            self._allocated = False
         except RuntimeError:
             # Not resizable: something outside holds the buffer (``p.numpy()`` inside gathered_parameters). Leave the
             # old memory to it and continue on a fresh storage (allocated, then released at once).
             fresh = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             fresh.untyped_storage().resize_(0)
             self.full = fresh
-        nan = _nan(self.dtype, self.device)
-        for p in self.params:
-            p.data = nan.expand(p.shape)
+            self._allocated = False
+        if self._nan_views is None:  # made once: freeing is per unit event
+            nan = _nan(self.dtype, self.device)
+            self._nan_views = [nan.expand(shape) for shape in self.shapes]
+        for p, v in zip(self.params, self._nan_views):
+            p.data = v
         self.is_gathered = False
 
     def alloc_full(self) -> None:
         """Re-allocates the full buffer's memory (uninitialised) ahead of an all-gather into it; the parameters view
         it again. The module slots get the parameters back once the gather is complete (:attr:`is_gathered`)."""
-        if self.full.untyped_storage().size() == 0:
-            self.full.untyped_storage().resize_(self.full_nbytes)
-            for p, view in zip(self.params, self.layout.views(self.full)):
+        if not self._allocated:
+            self._full_storage().resize_(self._nbytes)
+            self._allocated = True
+            if self._full_views is None:  # views need the memory to be made; they stay valid across resizes
+                self._full_views = self.layout.views(self.full)
+            for p, view in zip(self.params, self._full_views):
                 p.data = view
+
+    def _full_storage(self) -> torch.UntypedStorage:
+        """:attr:`full`'s storage; it, its size and the parameters' views of :attr:`full` are made once per
+        :attr:`full` object (a view stays valid across the storage's resizes, as FSDP2's unsharded parameters do), not
+        per unit event."""
+        if self._views_of is not self.full:
+            self._storage = self.full.untyped_storage()
+            self._nbytes = self.layout.padded_numel * self.full.element_size()
+            self._full_views = None  # made by the next alloc_full, once the storage has its memory
+            self._views_of = self.full
+        return self._storage
 
     @property
     def is_gathered(self) -> bool:
@@ -184,7 +206,13 @@ class FlatParam:
     @is_gathered.setter
     def is_gathered(self, value: bool) -> None:
         self._gathered = value
-        self._install(self.params if value else self.placeholders)
+        # one flat loop over every slot (a unit event's cost is per parameter: no nested loops, no lookups)
+        if value:
+            for container, name, p, _ in self._installs:
+                container[name] = p
+        else:
+            for container, name, _, ph in self._installs:
+                container[name] = ph
 
     def attach(self, slots: list[list[tuple[dict, str]]], access) -> None:
         """Stage 3: the module slots of each parameter (``(module._parameters, name)``, several for tied ones) and
@@ -193,6 +221,11 @@ class FlatParam:
 
         self.slots = slots
         self.placeholders = [ShardedParameter(self, i, access) for i in range(len(self.params))]
+        self._installs = [
+            (container, name, p, ph)
+            for p, ph, where in zip(self.params, self.placeholders, slots)
+            for container, name in where
+        ]
         self._install(self.params if self.is_gathered else self.placeholders)
 
     def _install(self, tensors) -> None:

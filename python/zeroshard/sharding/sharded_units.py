@@ -29,7 +29,7 @@ where the units' sizes differ (the backend may otherwise abort on the mismatched
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard import _C
 from zeroshard.sharding import gather_check
-from zeroshard.sharding.collective_errors import DivergedRanksError, named_collective
+from zeroshard.sharding.collective_errors import CollectiveError, DivergedRanksError, collective_error, named_collective
+from zeroshard.sharding.event_clock import EventClock, TimedCollectives
 from zeroshard.sharding.flat_param import FlatParam
 from zeroshard.sharding.runtime_hook import RuntimeHook
 from zeroshard.sharding.sharded_param import ShardedParameter
@@ -53,6 +54,10 @@ class Unit:
         self.name = name or "<root>"
         self.module = module
         self.flat_params = flat_params
+        self.index = -1  # position in ShardedUnits.units, set there
+        self._trainable = [fp for fp in flat_params if fp.trainable]
+        self.bucket: int | None = None  # elements of one rank's row in the unit's all-gather (set at its first gather)
+        self.tag_expected: dict[bool, list[float]] = {}  # per phase: every rank's tag, as the check reads them
         self.is_root = is_root
         self.persistent = persistent  # below the persistence threshold: gathered once, never freed
         self.pending = None  # CollectiveHandle of an all-gather in flight
@@ -69,11 +74,14 @@ class Unit:
 
     @property
     def trainable(self) -> list[FlatParam]:
-        return [fp for fp in self.flat_params if fp.trainable]
+        return self._trainable
 
     @property
     def is_gathered(self) -> bool:
-        return all(fp.is_gathered for fp in self.flat_params)
+        for fp in self.flat_params:
+            if not fp._gathered:
+                return False
+        return True
 
 
 class _UnitIdentity(torch.autograd.Function):
@@ -82,6 +90,8 @@ class _UnitIdentity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runtime: ShardedUnits, index: int, *tensors: torch.Tensor):
         ctx.runtime, ctx.index = runtime, index
+        if len(tensors) == 1:
+            return (tensors[0].view_as(tensors[0]),)
         return tuple(t.view_as(t) for t in tensors)
 
 
@@ -90,8 +100,11 @@ class _RegatherBeforeBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        with _profiled("zeroshard::pre_backward"):
-            ctx.runtime._pre_backward(ctx.index)
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("zeroshard::pre_backward"):
+                ctx.runtime.pre_backward_event(ctx.index)
+        else:
+            ctx.runtime.pre_backward_event(ctx.index)
         return (None, None, *grads)
 
 
@@ -101,20 +114,31 @@ class _PostBackward(_UnitIdentity):
 
     @staticmethod
     def backward(ctx, *grads):
-        with _profiled("zeroshard::post_backward"):
-            ctx.runtime._post_backward(ctx.index)
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("zeroshard::post_backward"):
+                ctx.runtime.post_backward_event(ctx.index)
+        else:
+            ctx.runtime.post_backward_event(ctx.index)
         return (None, None, *grads)
 
 
-def _profiled(label: str):
-    """The range ``label`` while a profiler records (for the unit events: pre/post forward and backward, the wait of
-    an all-gather), else nothing: ``record_function`` costs microseconds per call even when nothing records."""
-    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else nullcontext()
+def _wrap_inputs(fn, runtime, index: int, args: tuple, kwargs: dict):
+    """:func:`_wrap_tensors` on a forward's ``(args, kwargs)``; positional tensors alone (a block's usual inputs) skip
+    the pytree walk."""
+    if kwargs or not all(type(t) is torch.Tensor for t in args):
+        return _wrap_tensors(fn, runtime, index, (args, kwargs))
+    grads = [t for t in args if t.requires_grad]
+    if not grads:
+        return None
+    wrapped = iter(fn.apply(runtime, index, *grads))
+    return tuple(next(wrapped) if t.requires_grad else t for t in args), kwargs
 
 
 def _wrap_tensors(fn, runtime, index: int, tree):
     """Applies autograd function ``fn`` to the tensors of ``tree`` that require grad; returns the new tree, or None
     if there were none."""
+    if isinstance(tree, torch.Tensor):  # a block's usual output: no pytree walk (tens of us per unit event)
+        return fn.apply(runtime, index, tree)[0] if tree.requires_grad else None
     flat, spec = tree_flatten(tree)
     idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
     if not idx:
@@ -155,19 +179,25 @@ class ShardedUnits:
         self.tagged = gather_check.ENABLED  # off only in bench_gather_check.py's reference runs
         self._unit_of = {id(fp): u for u in units for fp in u.flat_params}
         self._activity: str | None = None  # what gathers units outside forward/backward now (see activity())
+        self._maybe_accessed = False  # False: no unit is gathered for a placeholder read (unit.accessed)
+        # what the backward autograd functions call: the event methods, or timed ones while a clock is attached
+        self.pre_backward_event, self.post_backward_event = self._pre_backward, self._post_backward
+        self._hooks: list[tuple[RuntimeHook, object]] = []  # every forward hook and its untimed callable
+        for i, unit in enumerate(units):
+            unit.index = i
         for i, unit in enumerate(units):
             if unit.is_root:
                 continue
-            pre, post = self._make_pre_forward(i), self._make_post_forward(i)
-            pre, post = RuntimeHook(pre, "zeroshard::pre_forward"), RuntimeHook(post, "zeroshard::post_forward")
+            pre = self._hook(self._make_pre_forward(i), "zeroshard::pre_forward")
+            post = self._hook(self._make_post_forward(i), "zeroshard::post_forward")
             self._handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(post))
         root = units[0].module
         for module in _root_hook_modules(root, units[0]):
-            pre = RuntimeHook(self._root_pre_forward, "zeroshard::root_pre_forward")
+            pre = self._hook(self._root_pre_forward, "zeroshard::root_pre_forward")
             self._handles.append(module.register_forward_pre_hook(pre))
             self._handles.append(
-                module.register_forward_hook(RuntimeHook(self._root_post_forward, "zeroshard::root_post_forward"))
+                module.register_forward_hook(self._hook(self._root_post_forward, "zeroshard::root_post_forward"))
             )
         _attach_slots(root, units, self)
         # Lets Hugging Face's generate() keep every rank stepping until all are done (synced_gpus, its ZeRO-3 / FSDP
@@ -177,10 +207,33 @@ class ShardedUnits:
             m._is_fsdp_managed_module = True
             m._fsdp_use_orig_params = True
 
+    def _hook(self, fn, label: str) -> RuntimeHook:
+        hook = RuntimeHook(fn, label)
+        self._hooks.append((hook, fn))
+        return hook
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def time_events(self, clock: EventClock | None) -> None:
+        """Benchmarks: records every unit event's main-thread CPU time, its all-gathers excluded, into ``clock``
+        (:mod:`~zeroshard.sharding.event_clock`); None stops. Swaps the hooks' callables and the gather collectives,
+        so the hooks run no timing code while no clock is attached. The debug gather-order check
+        (``check_gather_order``) is not excluded."""
+        collectives = getattr(self.collectives, "inner", self.collectives)
+        if clock is None:
+            self.collectives = collectives
+            for hook, fn in self._hooks:
+                hook.fn = fn
+            self.pre_backward_event, self.post_backward_event = self._pre_backward, self._post_backward
+            return
+        self.collectives = TimedCollectives(collectives, clock)
+        for hook, fn in self._hooks:
+            hook.fn = clock.timed(hook.label.split("::")[-1], fn)
+        self.pre_backward_event = clock.timed("pre_backward", self._pre_backward)
+        self.post_backward_event = clock.timed("post_backward", self._post_backward)
 
     # -- gather and free -----------------------------------------------------------------------------------------------
 
@@ -208,13 +261,16 @@ class ShardedUnits:
             tag, tags = self._tag_buffers(index, unit)
             fulls = [fp.full for fp in unit.flat_params] + tags
             # one bucket, so one all-gather: every rank's row is its shards followed by its tag (gather_check)
-            bucket = sum(t.numel() for t in fulls)
-            if any(fp.host_shard and fp.full.is_cuda for fp in unit.flat_params):
-                unit.pending, unit.staging = self._gather_from_host(unit, fulls, bucket, tag)
+            if unit.bucket is None:
+                unit.bucket = sum(t.numel() for t in fulls)
+            if unit.flat_params[0].host_shard and fulls[0].is_cuda:
+                unit.pending, unit.staging = self._gather_from_host(unit, fulls, unit.bucket, tag)
             else:
                 shards = [fp.shard for fp in unit.flat_params] + tag
-                with self._named("all-gather (launch)", unit):
-                    unit.pending = self.collectives.all_gather(shards, fulls, bucket)
+                try:
+                    unit.pending = self.collectives.all_gather(shards, fulls, unit.bucket)
+                except RuntimeError as err:
+                    self._raise_named(err, "all-gather (launch)", unit)
         if wait and unit.pending is not None:
             self._wait(unit)
 
@@ -225,12 +281,14 @@ class ShardedUnits:
         fp0 = unit.flat_params[0]
         if not self.tagged:
             return [], []
-        unit.tag_sent = gather_check.encode(index, unit.backward)
         tag = unit.tag_tensors.get(unit.backward)
         if tag is None:  # made once per unit and phase: only ever read by the all-gathers
-            tag = torch.tensor(unit.tag_sent, dtype=fp0.dtype)
+            sent = gather_check.encode(index, unit.backward)
+            tag = torch.tensor(sent, dtype=fp0.dtype)
             tag = tag.to(fp0.full.device, non_blocking=True) if fp0.full.is_cuda else tag
             unit.tag_tensors[unit.backward] = tag
+            unit.tag_expected[unit.backward] = [float(v) for v in sent] * self.collectives.world_size
+        unit.tag_sent = unit.tag_expected[unit.backward][: gather_check.TAG_ELEMS]
         if unit.tags is None:
             world = self.collectives.world_size
             unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
@@ -266,14 +324,31 @@ class ShardedUnits:
             self._check_tags(index, row)
 
     def _named(self, collective: str, unit: Unit):
-        phase = unit.reason or ("backward" if unit.backward else "forward")
+        """A context that re-raises a failure of the collective inside as a CollectiveError naming ``unit``."""
         return named_collective(
             collective,
-            f"unit '{unit.name}' ({phase})",
+            lambda: self._describe(unit),
             step=self.step_fn(),
             rank=self.collectives.rank,
             world_size=self.collectives.world_size,
         )
+
+    def _describe(self, unit: Unit) -> str:
+        return f"unit '{unit.name}' ({unit.reason or ('backward' if unit.backward else 'forward')})"
+
+    def _raise_named(self, err: RuntimeError, collective: str, unit: Unit):
+        """Re-raises ``err`` as :meth:`_named` would: the hot paths use a plain ``try`` (entering a context manager
+        costs microseconds per unit event)."""
+        if isinstance(err, CollectiveError):
+            raise err
+        raise collective_error(
+            err,
+            collective=collective,
+            what=self._describe(unit),
+            step=self.step_fn(),
+            rank=self.collectives.rank,
+            world_size=self.collectives.world_size,
+        ) from err
 
     def _gather_from_host(self, unit: Unit, fulls: list[torch.Tensor], bucket: int, tag: list[torch.Tensor]):
         """Parameter offload: host shards -> device staging -> all-gather, on a side stream.
@@ -301,16 +376,21 @@ class ShardedUnits:
 
     def _wait(self, unit: Unit) -> None:
         handle, unit.pending = unit.pending, None
-        with self._named("parameter all-gather", unit), _profiled("zeroshard::all_gather_wait"):
-            handle.wait()
+        try:
+            if torch.autograd._profiler_enabled():
+                with torch.profiler.record_function("zeroshard::all_gather_wait"):
+                    handle.wait()
+            else:
+                handle.wait()
+        except RuntimeError as err:
+            self._raise_named(err, "parameter all-gather", unit)
         if self.tagged:
-            index = self.units.index(unit)
             if unit.tags.is_cuda:
-                self._deferred_tags.append((index, unit.tags.clone()))
+                self._deferred_tags.append((unit.index, unit.tags.clone()))
                 if len(self._deferred_tags) >= 256:  # forwards without a step end (generation): bounded memory
                     self.check_deferred_tags()
-            else:
-                self._check_tags(index, unit.tags)
+            elif unit.tags.tolist() != unit.tag_expected[unit.backward]:  # one host read of a few elements
+                self._check_tags(unit.index, unit.tags)
         unit.staging = None  # the current stream now waits for the gather; later side-stream work waits for it
         for fp in unit.flat_params:
             fp.is_gathered = True
@@ -356,7 +436,7 @@ class ShardedUnits:
                     self.unshard(nxt, wait=False)
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
                 return None  # no backward will come, or a recomputation inside backward
-            wrapped = _wrap_tensors(_PostBackward, self, index, (args, kwargs))
+            wrapped = _wrap_inputs(_PostBackward, self, index, args, kwargs)
             if wrapped is None:
                 return None
             self.units[index].inputs_pending += 1
@@ -417,7 +497,7 @@ class ShardedUnits:
             self.reshard(index)
 
     def _record(self, index: int) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if not self._recording or torch._C._current_graph_task_id() != -1:
             return
         if self._recording:
             if index in self.forward_order:  # a second forward began: the first one's order is complete
@@ -445,7 +525,7 @@ class ShardedUnits:
         unit = self._unit_of[id(fp)]
         unit.launched += 1
         if unit.launched == len(unit.trainable):
-            self._free_if_backward_done(unit, self.units.index(unit))
+            self._free_if_backward_done(unit, unit.index)
 
     def bind_flat_params(self) -> None:
         self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
@@ -465,9 +545,12 @@ class ShardedUnits:
 
     def release_accessed(self, keep: int | None = None) -> None:
         """Frees the units gathered because a placeholder was read (writing back what was written to them)."""
+        if not self._maybe_accessed:  # the usual case inside a step: no loop over every unit per event
+            return
         for i, unit in enumerate(self.units):
             if unit.accessed and i != keep:
                 self.reshard(i)
+        self._maybe_accessed = any(unit.accessed for unit in self.units)
 
     def resolve(self, placeholders: list[ShardedParameter], reason: str | None = None) -> list[torch.Tensor]:
         needed = []
@@ -487,6 +570,7 @@ class ShardedUnits:
                 self.unshard(i, reason=f"{what} of {names}; every rank must make the same reads")
                 self.may_write(unit)
                 unit.accessed = True
+                self._maybe_accessed = True
         return [ph.flat.params[ph.index].detach() for ph in placeholders]
 
     def write(self, placeholder: ShardedParameter, src: torch.Tensor) -> None:
