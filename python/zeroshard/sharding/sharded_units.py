@@ -499,11 +499,10 @@ class ShardedUnits:
     def _record(self, index: int) -> None:
         if not self._recording or torch._C._current_graph_task_id() != -1:
             return
-        if self._recording:
-            if index in self.forward_order:  # a second forward began: the first one's order is complete
-                self._recording = False
-            else:
-                self.forward_order.append(index)
+        if index in self.forward_order:  # a second forward began: the first one's order is complete
+            self._recording = False
+        else:
+            self.forward_order.append(index)
 
     def begin_step(self) -> None:
         """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
