@@ -56,9 +56,9 @@ build: dev-venv
 test-cpp: build
 	cd $(BUILD_DIR) && $(abspath $(VENV))/bin/ctest --output-on-failure -j $(JOBS)
 
-# PYTEST_WORKERS=2 runs pytest-xdist with whole files per worker. Off by default: on 2 cores the multi-rank tests
-# already use both, and one CI run with 2 workers took 32 min of pytest against 26.5 serial (each test about twice as
-# long), with the timing-sensitive fault tests sharing cores.
+# PYTEST_WORKERS=2 runs pytest-xdist with whole files per worker, so one file's idle waits (fault tests' timeouts)
+# overlap another's work. Off by default until a 2-worker run passes on the current code: on 2026-11-28 a 2-worker CI
+# run took 32 min of pytest and a serial one 41 min on the same VM.
 PYTEST_WORKERS ?= 0
 test-python: build
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/python
