@@ -226,14 +226,7 @@ class FlatParam:
             for p, ph, where in zip(self.params, self.placeholders, slots)
             for container, name in where
         ]
-        self._install(self.params if self.is_gathered else self.placeholders)
-
-    def _install(self, tensors) -> None:
-        if self.slots is None or tensors is None:
-            return
-        for t, slots in zip(tensors, self.slots):
-            for container, name in slots:
-                container[name] = t
+        self.is_gathered = self._gathered  # installs the parameters or their placeholders in every slot
 
     @torch.no_grad()
     def write_param_shard(self, index: int, src: torch.Tensor) -> None:
