@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.peft_patterns import pattern_value
+from zeroshard.loaded_classes import peft_model_class, pretrained_model_class
 
 __all__ = ["HFTensor", "describe_hf_models", "hf_config_files", "hf_tensor_plan", "merge_lora"]
 
@@ -51,9 +51,8 @@ def _json(value: Any) -> Any:
 
 def _hf_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """(``PreTrainedModel``,) and (``PeftModel``,) when those libraries are imported; empty tuples otherwise."""
-    pretrained = (sys.modules["transformers"].PreTrainedModel,) if "transformers" in sys.modules else ()
-    peft = (sys.modules["peft"].PeftModel,) if "peft" in sys.modules else ()
-    return pretrained, peft
+    pretrained, peft = pretrained_model_class(), peft_model_class()
+    return (pretrained,) if pretrained else (), (peft,) if peft else ()
 
 
 def _lora_settings(peft_model: nn.Module) -> dict[str, Any]:
@@ -80,7 +79,7 @@ def describe_hf_models(module: nn.Module) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     taken: list[str] = []
     for name, m in module.named_modules():
-        if any(name == t or name.startswith(t + ".") for t in taken):
+        if any(t == "" or name == t or name.startswith(t + ".") for t in taken):  # "": the root is an HF model
             continue
         lora = None
         if peft and isinstance(m, peft):

@@ -17,18 +17,18 @@ they keep what their own constructors gave them.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from torch import nn
 
 from zeroshard.init.ctor_draws import Draw, DrawLog, storage_key
+from zeroshard.loaded_classes import pretrained_model_class
 
 
 def is_init_owner(module: nn.Module) -> bool:
-    """True for a ``transformers.PreTrainedModel`` (``transformers`` imported), whose ``post_init`` initialises it."""
-    transformers = sys.modules.get("transformers")
-    base = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+    """True for a ``transformers.PreTrainedModel``, whose ``post_init`` initialises it (never loads transformers:
+    :func:`~zeroshard.loaded_classes.pretrained_model_class`)."""
+    base = pretrained_model_class()
     return base is not None and isinstance(module, base) and callable(getattr(type(module), "_init_weights", None))
 
 
