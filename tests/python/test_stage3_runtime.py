@@ -35,7 +35,8 @@ def test_parameters_outside_a_step(tmp_path):
         # masters; writeback=False discards; .numpy() inside gathered_parameters keeps its values, leaving works
         assert r["after_writes"] == [] and r["after_load_state_dict"] == [] and r["after_gathered"] == [], r
         assert r["numpy_kept"] and r["forward_after_numpy"], r
-        # the next optimizer step starts from the written values (masters are separate here: optimizer offload)
+        # the next optimizer step starts from the written values (masters are separate here: optimizer offload), with
+        # a block output modified in place by its caller
         assert r["after_step"] == [], r
     # repr on one rank only reads nothing (no collective, so no hang) and says what to do
     assert "gathered_parameters" in _ranks(tmp_path, "direct")[0]["repr"]
