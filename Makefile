@@ -56,10 +56,10 @@ build: dev-venv
 test-cpp: build
 	cd $(BUILD_DIR) && $(abspath $(VENV))/bin/ctest --output-on-failure -j $(JOBS)
 
-# PYTEST_WORKERS=2 runs pytest-xdist with whole files per worker, so one file's idle waits (fault tests' timeouts)
-# overlap another's work. Off by default until a 2-worker run passes on the current code: on 2026-11-28 a 2-worker CI
-# run took 32 min of pytest and a serial one 41 min on the same VM.
-PYTEST_WORKERS ?= 0
+# pytest-xdist with whole files per worker, so one file's idle waits (fault tests' timeouts, rank start-up) overlap
+# another's work: on 2026-11-28 a 2-worker CI run took 32 min of pytest and a serial one 41 min on the same 2-core VM.
+# PYTEST_WORKERS=0 runs the files in one process.
+PYTEST_WORKERS ?= 2
 test-python: build
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/python
 
