@@ -1,10 +1,11 @@
 """The package layout: every import inside ``python/zeroshard`` (module level and lazy, inside functions) points down
 the layers, never up or sideways into a layer not listed, so the layers form no cycle.
 
-Layers, bottom to top (``zeroshard/<layer>/__init__.py`` says what each holds):
+Layers, bottom to top (``zeroshard/<layer>/__init__.py`` says what each holds): ``base`` (``loaded_classes``: pure
+Python that imports nothing of ours, for every layer, ``checkpoint`` included) under all of them;
 ``core`` (``_C``, ``ops``, ``isa``) <- ``sharding`` <- ``optim`` <- ``offload``; ``init`` (``init/``, ``meta_init``,
 ``pretrained``) <- ``sharding``; ``plan`` <- ``init``, ``sharding``; ``engine`` (``engine/``, ``gathered``) <- all of
-those; ``checkpoint`` (``checkpoint/``, ``consolidate``) imports no other layer; ``strategies`` <- everything;
+those; ``checkpoint`` (``checkpoint/``, ``consolidate``) imports only ``base``; ``strategies`` <- everything;
 ``zeroshard/__init__.py`` re-exports the public API from any layer.
 """
 
@@ -17,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "python" / "zeroshard"
 
 # Top-level modules that belong to a layer whose other modules live in a subpackage.
 TOP_LEVEL = {
+    "loaded_classes": "base",
     "_C": "core",
     "ops": "core",
     "isa": "core",
@@ -29,15 +31,16 @@ SUBPACKAGES = {"sharding", "optim", "offload", "init", "plan", "engine", "checkp
 
 # What each layer may import (besides itself).
 ALLOWED = {
-    "core": set(),
-    "sharding": {"core"},
-    "optim": {"core", "sharding"},
-    "offload": {"core", "sharding", "optim"},
-    "init": {"core", "sharding"},
-    "plan": {"core", "sharding", "init"},
-    "engine": {"core", "sharding", "optim", "offload", "init", "plan"},
-    "checkpoint": set(),
-    "strategies": {"core", "sharding", "optim", "offload", "init", "plan", "engine", "checkpoint"},
+    "base": set(),
+    "core": {"base"},
+    "sharding": {"base", "core"},
+    "optim": {"base", "core", "sharding"},
+    "offload": {"base", "core", "sharding", "optim"},
+    "init": {"base", "core", "sharding"},
+    "plan": {"base", "core", "sharding", "init"},
+    "engine": {"base", "core", "sharding", "optim", "offload", "init", "plan"},
+    "checkpoint": {"base"},
+    "strategies": {"base", "core", "sharding", "optim", "offload", "init", "plan", "engine", "checkpoint"},
 }
 
 
