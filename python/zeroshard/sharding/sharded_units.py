@@ -450,15 +450,9 @@ class ShardedUnits:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
-    def _make_pre_backward_hook(self, index: int):
-        def hook(grad: torch.Tensor) -> None:
-            if torch.autograd._profiler_enabled():
-                with torch.profiler.record_function("zeroshard::pre_backward"):
-                    self.pre_backward_event(index)
-            else:
-                self.pre_backward_event(index)
-
-        return hook
+    def _make_pre_backward_hook(self, index: int) -> RuntimeHook:
+        # not in self._hooks: a clock times pre_backward_event itself, looked up at each call
+        return RuntimeHook(lambda grad: self.pre_backward_event(index), "zeroshard::pre_backward")
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args) -> None:
