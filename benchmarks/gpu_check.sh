@@ -12,6 +12,7 @@
 #      the 7.67B found with fp32 moments on 126 GiB of host)                                    <= 200 s  (issue 19)
 #   4. bench_offload.py: the 1.3B GPT at stage 3 without offload vs FSDP2, and with bf16/int8
 #      moments on the GPU (DeviceAdam)                                                           what is left (22, 19)
+#      (MAX_LAYERS=0 skips it)
 #   5. the rest of tests/python (pytest-xdist), if any time is left.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +33,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep -m1 'model name' /proc/cpuinfo), $(free -g | awk '/Mem:/ {print $2}') GiB host"
 git log --oneline -1 2>/dev/null || true
 
+# Only this GPU's architecture: the default list (8.0;9.0+PTX) compiles the CUDA kernels twice.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
 log "build: the _C extension (Release, CUDA parts on) with $(nproc) jobs"
 if ! { cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$(command -v "$PY")" \
   -DZEROSHARD_MODULE_OUTPUT_DIR="$PWD/python/zeroshard" && cmake --build build/gpu -j "$(nproc)" --target _C; } \
@@ -57,7 +60,9 @@ timeout "$(cap 70)" "$PY" benchmarks/bench_device_adam.py --devices cuda --sizes
   --json "$OUT/device_adam_cuda.json"
 
 T=$(cap 200)
-if [ "$T" -gt 120 ]; then
+if [ "$MAX_LAYERS" = 0 ]; then
+  log "3. max_model_size: skipped (MAX_LAYERS=0)"
+elif [ "$T" -gt 120 ]; then
   log "3. max_model_size: int8 moments, n_layer $MAX_LAYERS, stopped after $T s"
   timeout "$T" "$PY" benchmarks/max_model_size.py --optimizer_state_dtype int8 --n_layers "$MAX_LAYERS" \
     --out "$OUT" --budget "$((T - 5))" --timeout "$((T - 10))"
