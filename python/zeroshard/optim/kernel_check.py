@@ -4,8 +4,8 @@
 (``csrc/adam/adam_kernel_cuda.cu``), which is written to give the CPU kernel's bits, as
 :func:`~zeroshard.optim.torch_state_step.adam_step_torch` does. Before the first step of each (device, state format,
 param dtype, grad dtype) both run on copies of the first chunk of the parameter being stepped; if any bit differs
-(a GPU, driver or compiler that rounds otherwise), a warning says so and that combination keeps the torch-ops step:
-slower, never silently different. The check costs one chunk's step, once per combination and process.
+(a GPU, driver or compiler that rounds otherwise; any NaN equals any NaN), a warning says so and that combination keeps
+the torch-ops step: slower, never silently different. The check costs one chunk's step, once per combination and process.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Elements whose bits differ, any NaN equal to any NaN: a CUDA operation that makes a NaN writes 0x7FFFFFFF,
+    where x86 passes on its operand's NaN (the kernels' 0x7FC00000), and a NaN's payload carries nothing."""
+    differ = _bits(a) != _bits(b)
+    if a.is_floating_point():
+        differ &= ~(a.isnan() & b.isnan())
+    return int(differ.sum())
+
+
 def kernel_agrees(kernel: KernelStep, p: torch.Tensor, g: torch.Tensor, st: dict[str, Any], **step_args: Any) -> bool:
     """Whether ``kernel`` gives :func:`adam_step_torch`'s bits for this parameter's device and formats (decided on
     the first call for each, then remembered). Nothing of ``p``, ``g`` or ``st`` is modified.
@@ -61,8 +70,7 @@ def kernel_agrees(kernel: KernelStep, p: torch.Tensor, g: torch.Tensor, st: dict
         adam_step_torch(p_ref, g_ref, st_ref, **step_args)
         absmax = {k: st_k[k] for k in ABSMAX_KEYS if k in st_k}
         kernel(p_k, g_k, st_k["exp_avg"], st_k["exp_avg_sq"], **step_args, **absmax)
-        differ = int((_bits(p_k) != _bits(p_ref)).sum())
-        differ += sum(int((_bits(st_k[k]) != _bits(st_ref[k])).sum()) for k in st_ref)
+        differ = _differ(p_k, p_ref) + sum(_differ(st_k[k], st_ref[k]) for k in st_ref)
         _VERDICTS[key] = differ == 0
         if differ:
             warnings.warn(
