@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -302,8 +303,16 @@ def test_cpu_isa_api():
     assert cpu_isa() == ISAS[-1] or cpu_isa() in ISAS
 
 
-_PREFETCH_RUN = """
-import sys, torch
+# The compiled core and ops without zeroshard/__init__.py, which also loads Lightning (seconds a process)
+_CORE_ONLY = f"""
+import sys, types, torch
+sys.modules["zeroshard"] = types.ModuleType("zeroshard")
+sys.modules["zeroshard"].__path__ = [{str(Path(ops.__file__).parent)!r}]
+"""
+
+_PREFETCH_RUN = (
+    _CORE_ONLY
+    + """
 from zeroshard import _C, ops
 gen = torch.Generator().manual_seed(5)
 p, g = torch.randn(70_001, generator=gen), torch.randn(70_001, generator=gen)
@@ -313,6 +322,7 @@ for isa in ops_isas:
                   bias_correction=True, isa=isa)
 torch.save({"p": p, "m": m, "v": v, "ahead": _C.adam_prefetch_bytes()}, sys.argv[1])
 """
+)
 
 
 def test_prefetch_distance_changes_no_bit_and_is_checked(tmp_path):
@@ -332,8 +342,8 @@ def test_prefetch_distance_changes_no_bit_and_is_checked(tmp_path):
         for k in ("p", "m", "v"):
             assert torch.equal(r[k], results[0][k]), k
     env = dict(os.environ, ZEROSHARD_ADAM_PREFETCH_BYTES="-1")
-    bad = subprocess.run([sys.executable, "-c", "from zeroshard import _C; _C.adam_prefetch_bytes()"], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    code = _CORE_ONLY + "from zeroshard import _C; _C.adam_prefetch_bytes()"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "ZEROSHARD_ADAM_PREFETCH_BYTES=-1 is invalid" in bad.stderr
 
 
