@@ -1,11 +1,12 @@
 """ZeRO stage 3 at run time: each unit's parameters exist whole only while the unit runs.
 
 Forward: a pre-hook all-gathers the unit (or waits for its prefetch) and starts the all-gather of the next unit in the
-recorded forward order; a post-hook frees the full buffer and wraps the unit's outputs in an autograd function whose
-backward gathers the unit again (and prefetches the unit that runs backward next) before the unit's own backward.
-Backward: a unit is freed once its backward is over, i.e. both the gradients of its inputs (an autograd function on
-the inputs, as FSDP2's post-backward) and the gradient reductions of its trainable flat parameters are done: frozen
-weights (LoRA's base weights) stay until the last gradient that needs them is computed.
+recorded forward order; a post-hook frees the full buffer and puts a gradient hook on the unit's outputs that gathers
+the unit again (and prefetches the unit that runs backward next) before the unit's own backward (FSDP2's pre-backward).
+Backward: a unit is freed once its backward is over, i.e. both the gradients of its inputs (a gradient hook on a view
+of its input, or an autograd function on several inputs, as FSDP2's post-backward) and the gradient reductions of its
+trainable flat parameters are done: frozen weights (LoRA's base weights) stay until the last gradient that needs them
+is computed.
 The root unit (parameters no other unit claims: embeddings, final norm, head) stays gathered from the start of a step to
 the end of its backward, as FSDP2 does with ``reshard_after_forward=None`` on the root; outside a step it is gathered
 by the forward of the smallest module holding all its parameters (and of each module holding one), and freed after it
@@ -86,9 +87,8 @@ class Unit:
 
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward runs once every gradient of those inputs is computed, i.e. once the
-    unit's own backward is over (FSDP2's ``RegisterPostBackwardFunction``). A tensor hook on each input would fire only
-    once the input's gradient is complete, which waits for its other uses too (a residual connection around the
-    unit)."""
+    unit's own backward is over (FSDP2's ``RegisterPostBackwardFunction``). Used for units with several inputs that
+    require grad; one such input (a block's usual case) gets a hooked view instead (:func:`_post_backward_inputs`)."""
 
     @staticmethod
     def forward(ctx, runtime: ShardedUnits, index: int, *tensors: torch.Tensor):
@@ -107,21 +107,34 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _post_backward_inputs(runtime: ShardedUnits, index: int, tensors: list[torch.Tensor]):
+    """What unit ``index`` gets instead of its inputs that require grad, so that ``post_backward_event(index)`` runs
+    once all their gradients are computed. One input: a view of it with a gradient hook, which fires once the view's
+    gradient is complete; only the unit uses the view, so that is the end of the unit's backward, whatever else uses
+    the input (a residual connection around the unit). A view and a hook cost a third of ``Function.apply`` here, and
+    the unit may change the view in place. Several: :class:`_PostBackward` over all of them, one call for all."""
+    if len(tensors) == 1:
+        view = tensors[0].view_as(tensors[0])
+        view.register_hook(runtime._post_backward_hooks[index])
+        return (view,)
+    return _PostBackward.apply(runtime, index, *tensors)
+
+
 def _wrap_inputs(runtime: ShardedUnits, index: int, args: tuple, kwargs: dict):
-    """A forward's ``(args, kwargs)`` with :class:`_PostBackward` applied to the tensors that require grad, or None if
-    none does; positional tensors alone (a block's usual inputs) skip the pytree walk."""
+    """A forward's ``(args, kwargs)`` with :func:`_post_backward_inputs` applied to the tensors that require grad, or
+    None if none does; positional tensors alone (a block's usual inputs) skip the pytree walk."""
     if kwargs or not all(type(t) is torch.Tensor for t in args):
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
         if not idx:
             return None
-        for i, t in zip(idx, _PostBackward.apply(runtime, index, *[flat[i] for i in idx])):
+        for i, t in zip(idx, _post_backward_inputs(runtime, index, [flat[i] for i in idx])):
             flat[i] = t
         return tree_unflatten(flat, spec)
     grads = [t for t in args if t.requires_grad]
     if not grads:
         return None
-    wrapped = iter(_PostBackward.apply(runtime, index, *grads))
+    wrapped = iter(_post_backward_inputs(runtime, index, grads))
     return tuple(next(wrapped) if t.requires_grad else t for t in args), kwargs
 
 
@@ -160,6 +173,7 @@ class ShardedUnits:
         self.pre_backward_event, self.post_backward_event = self._pre_backward, self._post_backward
         self._hooks: list[tuple[RuntimeHook, object]] = []  # every forward hook and its untimed callable
         self._pre_backward_hooks = [self._make_pre_backward_hook(i) for i in range(len(units))]  # made once
+        self._post_backward_hooks = [self._make_post_backward_hook(i) for i in range(len(units))]
         for i, unit in enumerate(units):
             unit.index = i
         for i, unit in enumerate(units):
@@ -453,6 +467,9 @@ class ShardedUnits:
     def _make_pre_backward_hook(self, index: int) -> RuntimeHook:
         # not in self._hooks: a clock times pre_backward_event itself, looked up at each call
         return RuntimeHook(lambda grad: self.pre_backward_event(index), "zeroshard::pre_backward")
+
+    def _make_post_backward_hook(self, index: int) -> RuntimeHook:
+        return RuntimeHook(lambda grad: self.post_backward_event(index), "zeroshard::post_backward")
 
     @torch.compiler.disable
     def _root_pre_forward(self, module, args) -> None:

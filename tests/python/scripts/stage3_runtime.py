@@ -5,8 +5,8 @@ Usage: stage3_runtime.py OUT_DIR PART   (2 ranks; PART is "direct" or "loops")
 direct: ZeroEngine(stage=3, optimizer offload, so the fp32 masters are separate from the parameter shards) over a
     TinyLM, against an unsharded copy with the same values. Forwards outside a step (no_grad and grad), reads and
     writes of freed parameters, load_state_dict, gathered_parameters with and without writeback, ``.numpy()`` inside
-    it, and one optimizer step after the writes, with a block's output halved in place by a forward hook (both
-    models see the same batch, so plain AdamW is the reference).
+    it, and one optimizer step after the writes, with a block's output halved in place by a forward hook and the next
+    block's input doubled in place by a pre-hook (both models see the same batch, so plain AdamW is the reference).
 loops: Lightning runs, each under ``ddp`` and ZeroStrategy(stage=3): fit then test on the best checkpoint; EMA with
     Lightning's WeightAveraging (swaps around validation, copy at the end) and its resume after a crash;
     StochasticWeightAveraging on a BatchNorm model (including the batch-norm update epoch without backward).
@@ -103,8 +103,13 @@ def direct() -> dict:
         r["forward_after_numpy"] = torch.equal(model(x), ref(x))
 
     # one step: the masters saw every write (offload keeps them apart from the parameter shards); a unit's output is
-    # modified in place by its caller (a forward hook after the runtime's, on both models): legal, same gradients
+    # modified in place by its caller (a forward hook after the runtime's, on both models), and the next unit's input
+    # by that unit (a forward pre-hook after the runtime's): legal, same gradients
+    def double_input(module, args) -> None:
+        args[0].mul_(2.0)
+
     halve = [m.blocks[0].register_forward_hook(lambda mod, args, out: out.mul_(0.5)) for m in (model, ref)]
+    halve += [m.blocks[1].register_forward_pre_hook(double_input) for m in (model, ref)]
     ref_opt = ref.configure_optimizers()
     engine.begin_step()
     F.cross_entropy(model(x).reshape(-1, 64), x.reshape(-1)).backward()
