@@ -9,10 +9,9 @@
 #   1. GPU-marked tests (DeviceAdam on CUDA, the engine's device step, offload)                 <= 100 s
 #   2. bench_device_adam.py --devices cuda: the CUDA Adam kernel, DeviceAdam eager, torch fused   <= 70 s   (issue 19)
 #   3. max_model_size.py --optimizer_state_dtype int8 at MAX_LAYERS (default 14: 11.7B, 1.52x
-#      the 7.67B found with fp32 moments on 126 GiB of host)                                    <= 200 s  (issue 19)
+#      the 7.67B found with fp32 moments on 126 GiB of host; MAX_LAYERS=0 skips it)             <= 200 s  (issue 19)
 #   4. bench_offload.py: the 1.3B GPT at stage 3 without offload vs FSDP2, and with bf16/int8
 #      moments on the GPU (DeviceAdam)                                                           what is left (22, 19)
-#      (MAX_LAYERS=0 skips it)
 #   5. the rest of tests/python (pytest-xdist), if any time is left.
 set -u
 cd "$(dirname "$0")/.."

@@ -5,7 +5,8 @@
 :func:`~zeroshard.optim.torch_state_step.adam_step_torch` does. Before the first step of each (device, state format,
 param dtype, grad dtype) both run on copies of the first chunk of the parameter being stepped; if any bit differs
 (a GPU, driver or compiler that rounds otherwise; any NaN equals any NaN), a warning says so and that combination keeps
-the torch-ops step: slower, never silently different. The check costs one chunk's step, once per combination and process.
+the torch-ops step: slower, never silently different. The check costs one chunk's step, once per combination and
+process.
 """
 
 from __future__ import annotations
