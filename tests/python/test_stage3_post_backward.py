@@ -1,0 +1,103 @@
+"""When stage 3 frees a unit in backward: once the unit's own backward is over, whatever else uses its inputs. A unit
+with one input that requires grad gets a hooked view of it; one with several, the ``_PostBackward`` function over all.
+Both are checked here against the moment they must fire, and the step against plain AdamW on an unsharded copy.
+One process (a gloo group of one)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard import ZeroConfig, ZeroEngine
+from zeroshard.gathered import gathered_parameters
+from zeroshard.sharding.sharded_param import ShardedParameter
+
+pytestmark = pytest.mark.usefixtures("group")
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward calls ``fn`` (a look at the runtime at that point of the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return grad, None
+
+
+class Single(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return torch.tanh(self.fc(x)) * y
+
+
+class Net(nn.Module):
+    """``x0`` feeds a side branch computed before unit ``a`` (so its backward runs after ``a``'s), ``a`` and, with
+    ``a``'s output, the two-input unit ``b``; a residual goes around ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.side, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+        self.a, self.b = Single(), Pair()
+        self.seen: dict[str, bool] = {}
+
+    def freed(self, unit: nn.Module) -> bool:
+        return isinstance(unit.fc._parameters["weight"], ShardedParameter)
+
+    def forward(self, x):
+        x0 = self.inp(x)
+        aux = _Probe.apply(
+            self.side(x0), lambda: self.seen.setdefault("a freed before side's backward", self.freed(self.a))
+        )
+        h = self.a(x0)
+        h = _Probe.apply(h, lambda: self.seen.setdefault("b freed before a's backward", self.freed(self.b)))
+        h = h + self.b(h, x0)
+        return self.head(h).sum() + aux.sum()
+
+
+def test_units_are_freed_when_their_own_backward_ends_and_the_step_is_adamw():
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeroConfig(stage=3, wrap_policy=(Single, Pair))
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        model.seen.clear()
+        engine.begin_step()
+        model(x).backward()
+        engine.finish_backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+        engine.after_step()
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        # a (one input: the hooked view) is freed before the side branch's backward, though x0's gradient is complete
+        # only after it; b (two inputs: _PostBackward) before a's backward, though a residual uses its input too
+        assert model.seen == {"a freed before side's backward": True, "b freed before a's backward": True}
+        assert model.freed(model.a) and model.freed(model.b)
+    with gathered_parameters(model):
+        got = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for k, v in ref.named_parameters():
+        torch.testing.assert_close(got[k], v.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    engine.remove_hooks()
