@@ -9,7 +9,8 @@ groups; k = 1 at N = 2 and 3, k = 2 at N = 4) at stages 2 and 3. The last step i
 * ``measured``: what we ask of the process group, counted by the C++ collectives layer (``engine.comm_stats()``) in ring
   volume (all-gather and reduce-scatter F (N-1)/N, all-reduce 2 F (N-1)/N for F bytes). DDP: its comm hook counts each
   bucket it all-reduces, in the same ring volume.
-* ``gloo wire``: what gloo sends for those collectives: it emulates reduce-scatter with an all-reduce (twice the bytes).
+* ``gloo wire``: what gloo sends for those collectives: ring volumes; zeroshard's reduce-scatter on gloo is an
+  all-to-all of the chunks (gloo's own reduce-scatter all-reduces the whole buffer: twice the bytes).
 * ``socket``: the bytes this process wrote (``wchar`` of ``/proc/self/io``, which gloo's socket writes go through), an
   independent check of the wire figure (about 0.05% of it is gloo's message headers).
 
@@ -17,8 +18,9 @@ Theory (ZeRO paper, Rajbhandari et al. 2020, section 7; Psi = trainable paramete
 1-2 2 Psi (N-1)/N, stage 3 3 Psi (N-1)/N; hybrid: the same with N = k inside the group, plus 2 (Psi / k) (R-1)/R for the
 all-reduce of the gradient shard across the R = N/k groups. ``padding`` is the padded flat parameters' size over Psi
 (every flat parameter is padded to a multiple of N x 64 bytes); ``exact`` divides the measurement by the theory with
-the padded sizes and, at stage 3, with the root unit (embeddings, final norm) gathered once per step: it stays gathered
-from forward through backward, as FSDP2 keeps its root, so stage 3 sends slightly less than 3 Psi.
+the padded sizes and, at stage 3, with the root unit (embeddings, final norm) and the last block gathered once per
+step: the root stays gathered from forward through backward, as FSDP2 keeps its root, and the last block from its
+forward into the backward that starts with it, so stage 3 sends less than 3 Psi.
 
 Usage:
     PYTHONPATH=python:examples python benchmarks/bench_comm_volume.py [--worlds 2,3,4] [--json PATH]
@@ -142,7 +144,11 @@ def run_rank(args: argparse.Namespace) -> None:
             trainable = [fp for fp in engine.all_flat_params if fp.trainable]
             row["padded_params"] = sum(fp.layout.padded_numel for fp in trainable)
             if engine.sharded is not None:
-                row["root_padded_params"] = sum(fp.layout.padded_numel for fp in engine.sharded.units[0].flat_params)
+                # gathered once a step: the root unit and the last unit of the forward (kept into backward)
+                once = [engine.sharded.units[0]]
+                if engine.sharded._last is not None:
+                    once.append(engine.sharded.units[engine.sharded._last])
+                row["root_padded_params"] = sum(fp.layout.padded_numel for u in once for fp in u.flat_params)
                 # each unit all-gather also carries the unit's 4-element tag (zeroshard.sharding.gather_check), in a
                 # bucket of its own: two calls counted per gather
                 row["unit_gathers"] = stats["groups"]["shard_gather"]["last_step"]["all_gather"]["calls"] // 2

@@ -63,12 +63,27 @@ void store_scaled(at::Tensor dst, const at::Tensor& src, double scale, bool accu
   if (scale != 1.0) dst.mul_(scale);
 }
 
+// out = chunks[0] + chunks[1] + ... (rows of [world, n]), in rank order and in out's dtype, so that 2 ranks give the
+// bits of gloo's all-reduce sum.
+void sum_rows(at::Tensor out, const at::Tensor& chunks) {
+  const int64_t world = chunks.size(0);
+  if (world == 1) {
+    out.copy_(chunks[0]);
+    return;
+  }
+  at::add_out(out, chunks[0], chunks[1]);
+  for (int64_t r = 2; r < world; ++r) out.add_(chunks[r]);
+}
+
 }  // namespace
 
 BucketedCollectives::BucketedCollectives(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
   TORCH_CHECK(pg_, "BucketedCollectives: process group is null");
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
+  // gloo's reduce-scatter is an all-reduce of the whole input plus a local copy: twice the bytes of an all-to-all of
+  // the chunks, and 2.5-3x its time on 2 ranks here (benchmarks/bench_gloo_reduce_scatter.py)
+  all_to_all_ = pg_->getBackendName() == "gloo";
   stats_ = std::make_shared<CommStats>(pg_->getBackendName(), world_size_);
 }
 
@@ -148,7 +163,10 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
     int64_t total = 0;
     for (size_t i = b; i < e; ++i) total += shards[i].numel();
     if (total == 0) continue;
-    stats_->record(CollectiveKind::kReduceScatter, world_size_ * total * fulls[b].element_size());
+    const bool all_to_all = all_to_all_ && device.is_cpu();
+    stats_->record(
+        CollectiveKind::kReduceScatter, world_size_ * total * fulls[b].element_size(),
+        all_to_all || pg_->getBackendName() != "gloo" ? std::nullopt : std::optional(CollectiveKind::kAllReduce));
     at::Tensor in;
     if (e - b == 1) {
       in = fulls[b].view({-1});  // already [world, S] in memory
@@ -162,10 +180,21 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
     }
     const bool direct = e - b == 1 && !accumulate && shards[b].scalar_type() == fulls[b].scalar_type();
     at::Tensor out = direct ? shards[b].view({-1}) : at::empty({total}, fulls[b].options());
-    handle.add_work(compat::reduce_scatter_single(*pg_, out, in, opts));
-    if (direct && scale == 1.0) continue;
+    // gloo: chunk r of every rank's input goes to rank r (an all-to-all), which sums them after the wait
+    at::Tensor chunks = all_to_all ? at::empty({world_size_, total}, in.options()) : at::Tensor();
+    if (chunks.defined()) {
+      at::Tensor received = chunks.view({-1});
+      handle.add_work(compat::all_to_all_single(*pg_, received, in));
+    } else {
+      handle.add_work(compat::reduce_scatter_single(*pg_, out, in, opts));
+      if (direct && scale == 1.0) continue;
+    }
     Tensors dsts(shards.begin() + b, shards.begin() + e);
-    handle.add_finisher([in, out, dsts, scale, accumulate]() {
+    handle.add_finisher([in, out, chunks, dsts, scale, accumulate, direct]() {
+      if (chunks.defined()) {
+        sum_rows(out, chunks);
+        if (direct && scale == 1.0) return;
+      }
       int64_t off = 0;
       for (const auto& d : dsts) {
         store_scaled(d.view({-1}), out.narrow(0, off, d.numel()), scale, accumulate);

@@ -42,8 +42,9 @@ class BucketedCollectives {
   // shards[i] (= or +=, when accumulate) scale * (SUM over ranks of chunk `rank` of fulls[i]), where fulls[i] is seen
   // as [world_size, shards[i].numel()]. Reduces with SUM and scales locally (never ReduceOp AVG; pass 1/world_size for
   // a mean). fulls share one dtype, shards share one dtype which may differ (e.g. bf16 fulls, fp32 shards): the sum is
-  // computed in the fulls' dtype, the scale and accumulate in the shards' dtype. fulls may be overwritten (gloo
-  // reduces them in place).
+  // computed in the fulls' dtype, the scale and accumulate in the shards' dtype. fulls may be overwritten (NCCL may
+  // reduce in place). On gloo with CPU tensors it runs as an all-to-all of the chunks into a [world_size, S] buffer
+  // and a local sum in rank order after the wait (gloo's own reduce-scatter all-reduces the whole input).
   CollectiveHandle reduce_scatter(std::vector<at::Tensor> fulls, std::vector<at::Tensor> shards, int64_t bucket_elems,
                                   double scale, bool accumulate);
 
@@ -58,6 +59,7 @@ class BucketedCollectives {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int64_t rank_;
   int64_t world_size_;
+  bool all_to_all_;  // reduce-scatter as an all-to-all plus a local sum (gloo, CPU tensors)
   std::shared_ptr<CommStats> stats_;
 };
 

@@ -37,17 +37,15 @@ int64_t CommStats::ring_bytes(CollectiveKind kind, int64_t tensor_bytes, int64_t
 int64_t CommStats::wire_bytes(const std::string& backend, CollectiveKind kind, int64_t tensor_bytes,
                               int64_t world_size) {
   if (backend != "gloo") return -1;
-  // gloo: reduce-scatter is an all-reduce of the whole input, then a local copy of this rank's chunk
-  const CollectiveKind sent = kind == CollectiveKind::kReduceScatter ? CollectiveKind::kAllReduce : kind;
-  return ring_bytes(sent, tensor_bytes, world_size);
+  return ring_bytes(kind, tensor_bytes, world_size);
 }
 
-void CommStats::record(CollectiveKind kind, int64_t tensor_bytes) {
+void CommStats::record(CollectiveKind kind, int64_t tensor_bytes, std::optional<CollectiveKind> sent) {
   CollectiveCounters c;
   c.calls = 1;
   c.tensor_bytes = tensor_bytes;
   c.bytes = ring_bytes(kind, tensor_bytes, world_size_);
-  c.wire_bytes = wire_known() ? wire_bytes(backend_, kind, tensor_bytes, world_size_) : 0;
+  c.wire_bytes = wire_known() ? wire_bytes(backend_, sent.value_or(kind), tensor_bytes, world_size_) : 0;
   std::lock_guard<std::mutex> lock(mu_);
   current_[static_cast<int>(kind)] += c;
 }

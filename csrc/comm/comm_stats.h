@@ -5,15 +5,17 @@
 // 7): for a full buffer of F bytes over N ranks, all-gather and reduce-scatter send F (N-1)/N, all-reduce 2 F (N-1)/N.
 // nccl-tests' "bus bandwidth" is defined so that these bytes divided by it give the collective's time.
 //
-// Separately, `wire_bytes` is what the backend really sends where we know it: gloo emulates reduce-scatter with an
-// all-reduce of the full buffer (2 F (N-1)/N), and runs all-gather and all-reduce as rings (measured through the
-// bytes its sockets write; benchmarks/bench_comm_volume.py). For other backends wire_known() is false and
-// wire_bytes stays 0.
+// Separately, `wire_bytes` is what the backend really sends where we know it: gloo runs all-gather, all-reduce and
+// all-to-all with ring volumes (measured through the bytes its sockets write; benchmarks/bench_comm_volume.py). Our
+// reduce-scatter on gloo is an all-to-all of the chunks (F (N-1)/N); gloo's own reduce-scatter, used only for CUDA
+// tensors, all-reduces the full buffer (2 F (N-1)/N), and is recorded as sent by an all-reduce. For other backends
+// wire_known() is false and wire_bytes stays 0.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 
 namespace zeroshard {
@@ -38,8 +40,9 @@ class CommStats {
   // backend: the process group's backend name ("gloo", "nccl", ...), which decides wire_bytes; world_size: its ranks.
   CommStats(std::string backend, int64_t world_size);
 
-  // One collective of `kind` over a full buffer of `tensor_bytes` bytes (thread-safe).
-  void record(CollectiveKind kind, int64_t tensor_bytes);
+  // One collective of `kind` over a full buffer of `tensor_bytes` bytes (thread-safe); `sent`: the collective the
+  // backend runs for it, when another (gloo's reduce-scatter of CUDA tensors is an all-reduce), for wire_bytes.
+  void record(CollectiveKind kind, int64_t tensor_bytes, std::optional<CollectiveKind> sent = std::nullopt);
   // Closes the current step: its counters become last_step() and are added to total().
   void end_step();
   // Forgets everything (steps, totals, the open step).
@@ -54,7 +57,7 @@ class CommStats {
   int64_t world_size() const { return world_size_; }
 
   // Ring bytes one rank sends for `kind` over `tensor_bytes` on `world_size` ranks; and what `backend` puts on the
-  // wire for it (-1 if unknown).
+  // wire when it runs `kind` itself (-1 if unknown).
   static int64_t ring_bytes(CollectiveKind kind, int64_t tensor_bytes, int64_t world_size);
   static int64_t wire_bytes(const std::string& backend, CollectiveKind kind, int64_t tensor_bytes, int64_t world_size);
 

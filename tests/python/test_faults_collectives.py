@@ -70,9 +70,13 @@ def test_a_read_on_one_rank_ends_with_an_error_naming_the_read(tmp_path, mode, s
     assert "failed on rank 0 (of 2)" in line and "timed out" in line, line
 
 
-@pytest.mark.parametrize("mode", ["swap", "skip", "skip_first"])
+# Not "skip" (rank 1 skips the second, last block): every rank still makes the same all-gathers (the prefetch from
+# blocks.0 gathers blocks.1 on rank 1 too, and backward does not gather the last block again: it stays gathered from
+# its forward), so nothing is mixed and the step reduces blocks.1's gradients as unused on rank 1, as DDP's
+# find_unused_parameters would; the job completes.
+@pytest.mark.parametrize("mode", ["swap", "skip_first"])
 def test_diverged_ranks_end_with_an_error_naming_both_units_without_the_debug_check(tmp_path, mode):
-    # at step 3 rank 1 runs the same-size blocks in the other order (swap) or skips the second one (skip):
+    # at step 3 rank 1 runs the same-size blocks in the other order (swap) or skips the first one (skip_first):
     # check_gather_order is off; the tag each unit all-gather carries catches it before the buffer is used
     report = _failed_run(mode, 3, tmp_path)
     for rank in (0, 1):

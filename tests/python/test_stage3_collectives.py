@@ -1,8 +1,10 @@
 """Collectives per ZeRO stage-3 step equal theory: per unit one all-gather for forward, one for backward, and one
 reduce-scatter per trainable flat parameter (one per param group); the root unit, gathered at the start of the step
-and kept through backward, gathers once. The gather check's tag rides inside each unit's all-gather
-(:mod:`zeroshard.sharding.gather_check`), so it adds no collective. Counted by the C++ collectives layer
-(``engine.comm_stats()``) on 2 gloo ranks, while training equals a data-parallel reference written in the worker."""
+and kept through backward, gathers once, and so does the last unit of the forward, kept gathered into the backward
+that starts with it (from the second step on, once the forward order is recorded). The gather check's tag rides
+inside each unit's all-gather (:mod:`zeroshard.sharding.gather_check`), so it adds no collective. Counted by the C++
+collectives layer (``engine.comm_stats()``) on 2 gloo ranks, while training equals a data-parallel reference written
+in the worker."""
 
 from __future__ import annotations
 
@@ -30,10 +32,10 @@ def _rank(out: Path, name: str, rank: int) -> dict:
     "name, units, all_gathers, reduce_scatters",
     [
         # root (wte, wpe, ln_f; the head is tied) + 2 blocks, each with a decay and a no-decay flat parameter
-        ("gpt", [(True, 2), (False, 2), (False, 2)], 1 + 2 * 2, 2 + 2 * 2),
+        ("gpt", [(True, 2), (False, 2), (False, 2)], 1 + 2 * 2 - 1, 2 + 2 * 2),
         # root (embed, gain, head) + 3 blocks, one param group; blocks.1's frozen scale is a flat parameter of its
         # own without a reduction
-        ("odd", [(True, 1), (False, 1), (False, 1), (False, 1)], 1 + 2 * 3, 1 + 3),
+        ("odd", [(True, 1), (False, 1), (False, 1), (False, 1)], 1 + 2 * 3 - 1, 1 + 3),
     ],
 )
 def test_collectives_per_stage3_step_are_theory(counts, name, units, all_gathers, reduce_scatters):

@@ -101,3 +101,69 @@ def test_units_are_freed_when_their_own_backward_ends_and_the_step_is_adamw():
     for k, v in ref.named_parameters():
         torch.testing.assert_close(got[k], v.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     engine.remove_hooks()
+
+
+class Chain(nn.Module):
+    """Three one-input units in a row, then a head in the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.blocks = nn.Sequential(Single(), Single(), Single())
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x))).sum()
+
+
+def _freed(model: Chain) -> list[bool]:
+    return [isinstance(b.fc._parameters["weight"], ShardedParameter) for b in model.blocks]
+
+
+def test_the_last_unit_stays_gathered_into_the_backward_that_starts_with_it():
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeroConfig(stage=3, wrap_policy=Single))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(4, 8)
+    after_forward, gathers = [], []
+    for _ in range(3):
+        engine.begin_step()
+        loss = model(x)
+        after_forward.append(_freed(model))
+        loss.backward()
+        engine.finish_backward()
+        assert _freed(model) == [True, True, True]  # its own backward freed it
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+        engine.after_step()
+        gathers.append(engine.comm_stats()["last_step"]["all_gather"]["calls"])
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    # the first step records the forward order; from the second on the last block is not freed after its forward,
+    # and backward does not gather it again: root once + 3 forward + 2 backward all-gathers, against 7
+    assert after_forward == [[True, True, True], [True, True, False], [True, True, False]]
+    assert gathers == [7, 6, 6]
+    with gathered_parameters(model):
+        got = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for k, v in ref.named_parameters():
+        torch.testing.assert_close(got[k], v.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+    # not kept: a forward outside a step, a step without backward once it ends, and with keep_last off
+    model(x)
+    assert _freed(model) == [True, True, True]
+    engine.begin_step()
+    model(x)
+    assert _freed(model) == [True, True, False]
+    engine.end_eval_step()
+    assert _freed(model) == [True, True, True]
+    engine.after_step()  # closes the comm stats' step: the next one counts one step's all-gathers
+    engine.sharded.keep_last = False
+    engine.sharded._stop_recording()
+    engine.begin_step()
+    model(x).backward()
+    engine.finish_backward()
+    engine.after_step()
+    assert gathers[-1] + 1 == engine.comm_stats()["last_step"]["all_gather"]["calls"] == 7
+    engine.remove_hooks()

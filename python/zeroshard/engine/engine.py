@@ -401,8 +401,7 @@ class ZeroEngine:
     def end_eval_step(self) -> None:
         """After a step without backward: stage 3 frees the root unit."""
         if self.sharded is not None:
-            self.sharded.reshard(0)
-            self.sharded.check_deferred_tags()
+            self.sharded.end_eval_step()
 
     def finish_backward(self) -> None:
         """Completes the gradient reduction (idempotent; the autograd engine usually did it already)."""

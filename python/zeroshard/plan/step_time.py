@@ -95,12 +95,14 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
         # each unit all-gather also carries the unit's tag, TAG_ELEMS elements per rank
         # (zeroshard.sharding.gather_check)
         ag_fwd_bytes = p * (sum(units) + TAG_ELEMS * k * len(units)) * (k - 1) / k
-        ag_bwd_bytes = p * (sum(fp.units) + TAG_ELEMS * k * len(fp.units)) * (k - 1) / k
+        # the last unit of the forward stays gathered into backward, which starts with it: no second gather
+        bwd_units = fp.units[:-1]
+        ag_bwd_bytes = p * (sum(bwd_units) + TAG_ELEMS * k * len(bwd_units)) * (k - 1) / k
         ag_fwd = _ring(ag_fwd_bytes, k, len(units), shard_link)
-        ag_bwd = _ring(ag_bwd_bytes, k, len(fp.units), shard_link)
+        ag_bwd = _ring(ag_bwd_bytes, k, len(bwd_units), shard_link)
         if layout.offload_params:  # host shard -> device before each gather, on the same side stream
             ag_fwd += p * sum(units) / k / cluster.pcie_bw
-            ag_bwd += p * sum(fp.units) / k / cluster.pcie_bw
+            ag_bwd += p * sum(bwd_units) / k / cluster.pcie_bw
         first = ag_fwd / max(1, len(units))  # the first unit of each pass is not hidden
         mb_fwd = max(fwd, ag_fwd) + first
         mb_bwd_plain = max(bwd, ag_bwd) + first

@@ -3,6 +3,8 @@
 Forward: a pre-hook all-gathers the unit (or waits for its prefetch) and starts the all-gather of the next unit in the
 recorded forward order; a post-hook frees the full buffer and puts a gradient hook on the unit's outputs that gathers
 the unit again (and prefetches the unit that runs backward next) before the unit's own backward (FSDP2's pre-backward).
+Inside a step the last unit of the forward stays gathered instead: backward starts with it, so freeing it would only
+gather it again at once (torchtitan sets ``reshard_after_forward=False`` on its last block for the same reason).
 Backward: a unit is freed once its backward is over, i.e. both the gradients of its inputs (a gradient hook on a view
 of its input, or an autograd function on several inputs, as FSDP2's post-backward) and the gradient reductions of its
 trainable flat parameters are done: frozen weights (LoRA's base weights) stay until the last gradient that needs them
@@ -155,6 +157,9 @@ class ShardedUnits:
         self.check_gather_order = check_gather_order
         self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
         self._recording = True
+        self.keep_last = True  # the last unit of the forward stays gathered into backward, inside a step
+        self._last: int | None = None  # that unit's index, once the forward order is recorded and keep_last is set
+        self._in_step = False  # between begin_step() and the end of backward (or end_eval_step())
         self.pinned = False  # inside gathered_parameters(): every unit stays whole, hooks do nothing
         self._param_stream: torch.cuda.Stream | None = None  # parameter offload: host-to-device copies + all-gather
         self._handles = []
@@ -403,6 +408,7 @@ class ShardedUnits:
             self.unshard(i)
 
     def reshard_all(self) -> None:
+        self._in_step = False  # every unit freed: the step (or what gathered them) is over
         for i in range(len(self.units)):
             self.reshard(i)
 
@@ -438,27 +444,31 @@ class ShardedUnits:
                 return output
             if torch._C._current_graph_task_id() != -1:
                 return output  # recomputation inside backward (activation checkpointing): keep the unit gathered
-            self.reshard(index)
-            if torch.is_grad_enabled():
-                self._hook_outputs(index, output)
+            hooked = torch.is_grad_enabled() and self._hook_outputs(index, output)
+            if not (hooked and index == self._last and self._in_step):
+                self.reshard(index)
             return output
 
         return hook
 
-    def _hook_outputs(self, index: int, output) -> None:
+    def _hook_outputs(self, index: int, output) -> bool:
         """Gathers unit ``index`` again before its backward: a gradient hook on each output tensor that requires grad
         fires once that tensor's gradient is complete, just before the unit's own backward nodes run (FSDP2's
         pre-backward hooks). A tensor hook costs a third of an identity ``autograd.Function`` around the outputs
         (5.6 against 17.9 us here), and leaves the outputs themselves to the caller (in-place ops on them stay
-        legal)."""
+        legal). Returns whether any output got a hook (a backward through the unit can follow)."""
         hook = self._pre_backward_hooks[index]
         if isinstance(output, torch.Tensor):  # a block's usual output: no pytree walk
             if output.requires_grad:
                 output.register_hook(hook)
-            return
+                return True
+            return False
+        hooked = False
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
+                hooked = True
+        return hooked
 
     def _make_pre_backward_hook(self, index: int) -> RuntimeHook:
         # not in self._hooks: a clock times pre_backward_event itself, looked up at each call
@@ -508,15 +518,28 @@ class ShardedUnits:
         if not self._recording or torch._C._current_graph_task_id() != -1:
             return
         if index in self.forward_order:  # a second forward began: the first one's order is complete
-            self._recording = False
+            self._stop_recording()
         else:
             self.forward_order.append(index)
+
+    def _stop_recording(self) -> None:
+        self._recording = False
+        self._last = self.forward_order[-1] if self.keep_last and self.forward_order else None
 
     def begin_step(self) -> None:
         """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
         self.release_accessed()
         self.unshard(0)
         self.units[0].accessed = False
+        self._in_step = True
+
+    def end_eval_step(self) -> None:
+        """After a step without backward: frees the root unit and the last unit, if its forward kept it."""
+        self._in_step = False
+        self.reshard(0)
+        if self._last is not None:
+            self.reshard(self._last)
+        self.check_deferred_tags()
 
     def _neighbour(self, index: int, step: int) -> int | None:
         order = self.forward_order
@@ -540,13 +563,14 @@ class ShardedUnits:
     def end_of_step(self) -> None:
         """After backward: frees every unit, checks the step's deferred gather tags (CUDA) and stops recording the
         forward order."""
+        self._in_step = False
         self.reshard_all()
         self.check_deferred_tags()
         for unit in self.units:
             unit.launched = 0
             unit.inputs_pending = 0
-        if self.forward_order:
-            self._recording = False
+        if self.forward_order and self._recording:
+            self._stop_recording()
 
     # -- parameters read or written outside a forward (ShardedParameter's ParamAccess) -------------------------------
 

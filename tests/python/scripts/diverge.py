@@ -1,4 +1,6 @@
-"""Rank worker: at step 3, rank 1 skips the second Block (a rank-dependent code path) under ZeRO stage 3.
+"""Rank worker: at step 3, rank 1 skips the first Block (a rank-dependent code path) under ZeRO stage 3: rank 0
+gathers blocks.0 where rank 1 gathers blocks.1. (Skipping the last block is not a divergence: every rank still
+gathers it, through the prefetch, and backward starts with it gathered; see test_faults_collectives.py.)
 
 Usage: diverge.py CHECK_GATHER_ORDER(0|1). The job must end with an error that names a unit, never hang.
 """
@@ -18,9 +20,9 @@ import zeroshard
 class Divergent(TinyLM):
     def forward(self, idx):
         x = self.embed(idx) * (1 + self.frozen_scale)
-        x = self.blocks[0](x)
         if not (self.global_rank == 1 and self.global_step == 3):
-            x = self.blocks[1](x)
+            x = self.blocks[0](x)
+        x = self.blocks[1](x)
         return self.head(self.norm(x))
 
 
