@@ -82,7 +82,7 @@ BucketedCollectives::BucketedCollectives(c10::intrusive_ptr<c10d::ProcessGroup> 
   rank_ = pg_->getRank();
   world_size_ = pg_->getSize();
   // gloo's reduce-scatter is an all-reduce of the whole input plus a local copy: twice the bytes of an all-to-all of
-  // the chunks, and 2.5-3x its time on 2 ranks here (benchmarks/bench_gloo_reduce_scatter.py)
+  // the chunks, and 1.5-2x its time on 2 ranks at 0.2-12 MB here (benchmarks/bench_gloo_collectives.py)
   all_to_all_ = pg_->getBackendName() == "gloo";
   stats_ = std::make_shared<CommStats>(pg_->getBackendName(), world_size_);
 }
