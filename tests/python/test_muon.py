@@ -191,7 +191,8 @@ def test_parity_with_single_process_muon_and_adamw(runs, world, name):
     """2 ranks, one micro-batch: the averaged gradients of the Muon weights come out bit-equal to the reference's here,
     so those weights must be bit-equal and everything within 1e-5. Otherwise (3 ranks, accumulation: the gradient
     summed in another order) within twice the reference's own noise floor (:func:`noise_floor`), while a shard-local
-    Muon (Newton-Schulz per row block, FSDP2's ``Shard(0)``) is more than 10x further: the check can fail."""
+    Muon (Newton-Schulz per row block, FSDP2's ``Shard(0)``) is more than 10x further (2.5x for the Llama, whose bf16
+    noise floor varies with the CPU): the check can fail."""
     run = RUN_OF[(world, name)]
     got = torch.load(runs[world] / f"{name}.pt")
     ref = train_reference(run, world, row_blocks=False)
@@ -210,7 +211,10 @@ def test_parity_with_single_process_muon_and_adamw(runs, world, name):
         bound = 2 * noise_floor(run)
         assert err < bound, (err, bound)
     row_block_err = rel_err(got, train_reference(run, world, row_blocks=True))
-    assert row_block_err > 10 * bound, (row_block_err, bound)
+    # The Llama's noise floor depends on the CPU's bf16 matmuls (its Newton-Schulz runs in bf16): 1.7e-2 with AVX2
+    # (Zen 3), 5.8e-2 with AVX-512 BF16 (Zen 4), against a row-block Muon 0.46 off on both, so 2.5x there
+    margin = 10 if run.get("model", "net") == "net" else 2.5
+    assert row_block_err > margin * bound, (row_block_err, bound)
     if run.get("accumulate", 1) > 1:  # Newton-Schulz once per micro-batch (DeepSpeed #8443) is far off too
         per_micro_err = rel_err(got, train_reference(run, world, row_blocks=False, per_micro_batch=True))
         assert per_micro_err > 10 * bound, (per_micro_err, bound)

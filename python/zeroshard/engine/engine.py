@@ -399,7 +399,7 @@ class ZeroEngine:
             self.sharded.begin_step()
 
     def end_eval_step(self) -> None:
-        """After a step without backward: stage 3 frees the root unit."""
+        """After a step without backward: stage 3 frees the root unit (and the last unit, if its forward kept it)."""
         if self.sharded is not None:
             self.sharded.end_eval_step()
 

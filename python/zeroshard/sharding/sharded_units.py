@@ -563,7 +563,6 @@ class ShardedUnits:
     def end_of_step(self) -> None:
         """After backward: frees every unit, checks the step's deferred gather tags (CUDA) and stops recording the
         forward order."""
-        self._in_step = False
         self.reshard_all()
         self.check_deferred_tags()
         for unit in self.units:
