@@ -64,11 +64,11 @@ void store_scaled(at::Tensor dst, const at::Tensor& src, double scale, bool accu
 }
 
 // out = chunks[0] + chunks[1] + ... (rows of [world, n]), in rank order and in out's dtype, so that 2 ranks give the
-// bits of gloo's all-reduce sum.
+// bits of gloo's all-reduce sum. out may be chunks[0] itself.
 void sum_rows(at::Tensor out, const at::Tensor& chunks) {
   const int64_t world = chunks.size(0);
   if (world == 1) {
-    out.copy_(chunks[0]);
+    if (!out.is_same(chunks[0])) out.copy_(chunks[0]);
     return;
   }
   at::add_out(out, chunks[0], chunks[1]);
@@ -83,7 +83,7 @@ BucketedCollectives::BucketedCollectives(c10::intrusive_ptr<c10d::ProcessGroup> 
   world_size_ = pg_->getSize();
   // gloo's reduce-scatter is an all-reduce of the whole input plus a local copy: twice the bytes of an all-to-all of
   // the chunks, and 1.5-2x its time on 2 ranks at 0.2-12 MB here (benchmarks/bench_gloo_collectives.py)
-  all_to_all_ = pg_->getBackendName() == "gloo";
+  gloo_ = pg_->getBackendName() == "gloo";
   stats_ = std::make_shared<CommStats>(pg_->getBackendName(), world_size_);
 }
 
@@ -163,10 +163,9 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
     int64_t total = 0;
     for (size_t i = b; i < e; ++i) total += shards[i].numel();
     if (total == 0) continue;
-    const bool all_to_all = all_to_all_ && device.is_cpu();
-    stats_->record(
-        CollectiveKind::kReduceScatter, world_size_ * total * fulls[b].element_size(),
-        all_to_all || pg_->getBackendName() != "gloo" ? std::nullopt : std::optional(CollectiveKind::kAllReduce));
+    const bool all_to_all = gloo_ && device.is_cpu();
+    stats_->record(CollectiveKind::kReduceScatter, world_size_ * total * fulls[b].element_size(),
+                   gloo_ && !all_to_all ? std::optional(CollectiveKind::kAllReduce) : std::nullopt);
     at::Tensor in;
     if (e - b == 1) {
       in = fulls[b].view({-1});  // already [world, S] in memory
@@ -179,10 +178,11 @@ CollectiveHandle BucketedCollectives::reduce_scatter(Tensors fulls, Tensors shar
       in = in.view({-1});
     }
     const bool direct = e - b == 1 && !accumulate && shards[b].scalar_type() == fulls[b].scalar_type();
-    at::Tensor out = direct ? shards[b].view({-1}) : at::empty({total}, fulls[b].options());
-    // gloo: chunk r of every rank's input goes to rank r (an all-to-all), which sums them after the wait
+    // gloo: chunk r of every rank's input goes to rank r (an all-to-all), which sums them after the wait, into the
+    // shard (direct) or in place into the first received chunk
     at::Tensor chunks = all_to_all ? at::empty({world_size_, total}, in.options()) : at::Tensor();
-    if (chunks.defined()) {
+    at::Tensor out = direct ? shards[b].view({-1}) : all_to_all ? chunks[0] : at::empty({total}, fulls[b].options());
+    if (all_to_all) {
       at::Tensor received = chunks.view({-1});
       handle.add_work(compat::all_to_all_single(*pg_, received, in));
     } else {

@@ -59,7 +59,7 @@ class BucketedCollectives {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int64_t rank_;
   int64_t world_size_;
-  bool all_to_all_;  // reduce-scatter as an all-to-all plus a local sum (gloo, CPU tensors)
+  bool gloo_;  // CPU tensors reduce-scatter as an all-to-all plus a local sum
   std::shared_ptr<CommStats> stats_;
 };
 
