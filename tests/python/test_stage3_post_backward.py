@@ -160,7 +160,6 @@ def test_the_last_unit_stays_gathered_into_the_backward_that_starts_with_it():
     assert _freed(model) == [True, True, True]
     engine.after_step()  # closes the comm stats' step: the next one counts one step's all-gathers
     engine.sharded.keep_last = False
-    engine.sharded._stop_recording()
     engine.begin_step()
     model(x).backward()
     engine.finish_backward()

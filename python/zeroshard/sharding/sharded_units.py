@@ -158,7 +158,6 @@ class ShardedUnits:
         self.forward_order: list[int] = []  # recorded on the first forward, then used for prefetch
         self._recording = True
         self.keep_last = True  # the last unit of the forward stays gathered into backward, inside a step
-        self._last: int | None = None  # that unit's index, once the forward order is recorded and keep_last is set
         self._in_step = False  # between begin_step() and the end of backward (or end_eval_step())
         self.pinned = False  # inside gathered_parameters(): every unit stays whole, hooks do nothing
         self._param_stream: torch.cuda.Stream | None = None  # parameter offload: host-to-device copies + all-gather
@@ -445,7 +444,7 @@ class ShardedUnits:
             if torch._C._current_graph_task_id() != -1:
                 return output  # recomputation inside backward (activation checkpointing): keep the unit gathered
             hooked = torch.is_grad_enabled() and self._hook_outputs(index, output)
-            if not (hooked and index == self._last and self._in_step):
+            if not (hooked and self._in_step and index == self.last_kept):
                 self.reshard(index)
             return output
 
@@ -518,13 +517,17 @@ class ShardedUnits:
         if not self._recording or torch._C._current_graph_task_id() != -1:
             return
         if index in self.forward_order:  # a second forward began: the first one's order is complete
-            self._stop_recording()
+            self._recording = False
         else:
             self.forward_order.append(index)
 
-    def _stop_recording(self) -> None:
-        self._recording = False
-        self._last = self.forward_order[-1] if self.keep_last and self.forward_order else None
+    @property
+    def last_kept(self) -> int | None:
+        """The unit a forward inside a step keeps gathered (the last of the recorded forward order), or None: while the
+        order is being recorded, or with ``keep_last`` off."""
+        if self._recording or not self.keep_last or not self.forward_order:
+            return None
+        return self.forward_order[-1]
 
     def begin_step(self) -> None:
         """Start of a step: gathers the root unit, which stays gathered until the end of backward."""
@@ -537,8 +540,8 @@ class ShardedUnits:
         """After a step without backward: frees the root unit and the last unit, if its forward kept it."""
         self._in_step = False
         self.reshard(0)
-        if self._last is not None:
-            self.reshard(self._last)
+        if self.last_kept is not None:
+            self.reshard(self.last_kept)
         self.check_deferred_tags()
 
     def _neighbour(self, index: int, step: int) -> int | None:
@@ -568,8 +571,8 @@ class ShardedUnits:
         for unit in self.units:
             unit.launched = 0
             unit.inputs_pending = 0
-        if self.forward_order and self._recording:
-            self._stop_recording()
+        if self.forward_order:
+            self._recording = False
 
     # -- parameters read or written outside a forward (ShardedParameter's ParamAccess) -------------------------------
 
