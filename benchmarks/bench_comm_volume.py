@@ -146,12 +146,12 @@ def run_rank(args: argparse.Namespace) -> None:
             if engine.sharded is not None:
                 # gathered once a step: the root unit and the last unit of the forward (kept into backward)
                 once = [engine.sharded.units[0]]
-                if engine.sharded._last is not None:
-                    once.append(engine.sharded.units[engine.sharded._last])
+                if engine.sharded.last_kept is not None:
+                    once.append(engine.sharded.units[engine.sharded.last_kept])
                 row["root_padded_params"] = sum(fp.layout.padded_numel for u in once for fp in u.flat_params)
-                # each unit all-gather also carries the unit's 4-element tag (zeroshard.sharding.gather_check), in a
-                # bucket of its own: two calls counted per gather
-                row["unit_gathers"] = stats["groups"]["shard_gather"]["last_step"]["all_gather"]["calls"] // 2
+                # each unit all-gather also carries the unit's 4-element tag (zeroshard.sharding.gather_check), inside
+                # the unit's own all-gather: one call per gather
+                row["unit_gathers"] = stats["groups"]["shard_gather"]["last_step"]["all_gather"]["calls"]
             engine.remove_hooks()
         results.append(row)
         dist.barrier()
