@@ -29,8 +29,8 @@ activations         saved for backward per micro-batch, a pre-LayerNorm transfor
 step_temp           temporaries of the device optimizer step (torch's foreach AdamW: two shard-sized tensors; with
                     Muon, the larger of that and the busiest owner's whole-matrix buffers, plan/muon_memory.py)
 comm_temp           the backend's own copies: on gloo the reduce-scatter's all-to-all receives into a full-size buffer
-                    and sums the chunks into a shard-size one ((1 + 1/k) x the bucket), and all-gather goes through a
-                    full-size copy; 0 on NCCL (in place)
+                    and sums the chunks there (1 x the bucket), and all-gather goes through a full-size copy; 0 on NCCL
+                    (in place)
 cuda_context        CUDA context and library workspaces (0 on CPU)
 ==================  ====================================================================================================
 
@@ -307,8 +307,8 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     def shards(flats: list[int]) -> float:  # offload: device gradient shards until their copy to the host is done
         return g * sum(fp.shard(n) for n in flats) if off else 0.0
 
-    def rs_temp(flats: list[int]) -> float:  # gloo: an all-to-all into a full-size buffer, then the chunks' sum
-        return (1 + 1 / k) * g * max(flats, default=0) if gloo else 0.0
+    def rs_temp(flats: list[int]) -> float:  # gloo: an all-to-all into a full-size buffer, summed there in place
+        return g * max(flats, default=0) if gloo else 0.0
 
     gathered = 0.0
     if layout.stage == 3:
