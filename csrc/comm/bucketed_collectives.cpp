@@ -75,6 +75,17 @@ void sum_rows(at::Tensor out, const at::Tensor& chunks) {
   for (int64_t r = 2; r < world; ++r) out.add_(chunks[r]);
 }
 
+// Whether tensors [b, e) are contiguous and follow each other in one storage, so one view covers them all.
+bool back_to_back(const Tensors& ts, size_t b, size_t e) {
+  for (size_t i = b; i < e; ++i) {
+    if (!ts[i].is_contiguous()) return false;
+    if (i == b) continue;
+    const auto* end = static_cast<const char*>(ts[i - 1].data_ptr()) + ts[i - 1].nbytes();
+    if (ts[i].data_ptr() != end || !ts[i].storage().is_alias_of(ts[b].storage())) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 BucketedCollectives::BucketedCollectives(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
@@ -127,6 +138,7 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
       continue;
     }
     // Copy-in to this rank's row of the [world, total] staging buffer, gather in place, copy-out each column block.
+    // Shards that already lie back to back (stage 3 packs a unit's shards and tag so) are sent from where they lie.
     at::Tensor staging = at::empty({world_size_, total}, shards[b].options());
     std::vector<int64_t> sizes;
     Tensors ins;
@@ -136,10 +148,15 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
       ins.push_back(shards[i].view({-1}));
       outs.push_back(fulls[i].view({world_size_, shards[i].numel()}));
     }
-    at::Tensor own_row = staging.select(0, rank_);
-    at::cat_out(own_row, ins, 0);
     at::Tensor flat = staging.view({-1});
-    handle.add_work(compat::all_gather_single(*pg_, flat, own_row));
+    if (back_to_back(shards, b, e)) {
+      at::Tensor row = shards[b].as_strided({total}, {1});
+      handle.add_work(compat::all_gather_single(*pg_, flat, row));
+    } else {
+      at::Tensor own_row = staging.select(0, rank_);
+      at::cat_out(own_row, ins, 0);
+      handle.add_work(compat::all_gather_single(*pg_, flat, own_row));
+    }
     handle.add_finisher([staging, sizes, outs]() { at::split_with_sizes_copy_out(outs, staging, sizes, 1); });
   }
   return handle;

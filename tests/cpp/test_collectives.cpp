@@ -148,6 +148,38 @@ TEST_P(Collectives, AllGatherInPlace) {
   });
 }
 
+// Shards back to back in one buffer (stage 3's packed unit row) are sent from where they lie; one out of place (a
+// gap before it) takes the copy-in path. Both gather the same values, and the row itself is left as it was.
+TEST_P(Collectives, AllGatherFromBackToBackShards) {
+  const int world = GetParam();
+  run_ranks(world, [&](const PG& pg, int rank) {
+    BucketedCollectives bc(pg);
+    int64_t total = 0;
+    for (int64_t s : kShardNumels) total += s;
+    for (int64_t gap : {int64_t{0}, int64_t{3}}) {
+      at::Tensor row = at::full({total + gap}, -5.0f);
+      Tensors shards, fulls;
+      int64_t off = 0;
+      for (size_t i = 0; i < kShardNumels.size(); ++i) {
+        const int64_t s = kShardNumels[i];
+        if (i == 1) off += gap;  // gap > 0: shards[1] no longer follows shards[0]
+        shards.push_back(row.narrow(0, off, s));
+        shards.back().copy_(input(rank, i, s, at::kFloat));
+        off += s;
+        fulls.push_back(at::full({world * s}, -999.0f));
+      }
+      at::Tensor before = row.clone();
+      bc.all_gather(shards, fulls, int64_t{1} << 20).wait();  // one multi-tensor bucket
+      EXPECT_TRUE(at::equal(row, before)) << "gap " << gap;
+      for (size_t i = 0; i < kShardNumels.size(); ++i) {
+        Tensors parts;
+        for (int r = 0; r < world; ++r) parts.push_back(input(r, i, kShardNumels[i], at::kFloat));
+        EXPECT_TRUE(at::equal(fulls[i], at::cat(parts))) << "gap " << gap << " tensor " << i;
+      }
+    }
+  });
+}
+
 // Reference: scale * sum over ranks of chunk `rank` of each full, computed in double, (+ the old shard).
 TEST_P(Collectives, ReduceScatterSumScaleAccumulate) {
   const int world = GetParam();

@@ -1,5 +1,6 @@
 """Collectives per ZeRO stage-3 step equal theory: per unit one all-gather for forward, one for backward, and one
-reduce-scatter per trainable flat parameter (one per param group); the root unit, gathered at the start of the step
+reduce-scatter for all its trainable flat parameters (one per param group, reduced together as FSDP2 reduces a
+module's parameters); the root unit, gathered at the start of the step
 and kept through backward, gathers once, and so does the last unit of the forward, kept gathered into the backward
 that starts with it (from the second step on, once the forward order is recorded). The gather check's tag rides
 inside each unit's all-gather (:mod:`zeroshard.sharding.gather_check`), so it adds no collective. Counted by the C++
@@ -31,8 +32,9 @@ def _rank(out: Path, name: str, rank: int) -> dict:
 @pytest.mark.parametrize(
     "name, units, all_gathers, reduce_scatters",
     [
-        # root (wte, wpe, ln_f; the head is tied) + 2 blocks, each with a decay and a no-decay flat parameter
-        ("gpt", [(True, 2), (False, 2), (False, 2)], 1 + 2 * 2 - 1, 2 + 2 * 2),
+        # root (wte, wpe, ln_f; the head is tied) + 2 blocks, each with a decay and a no-decay flat parameter, both
+        # in one reduce-scatter
+        ("gpt", [(True, 2), (False, 2), (False, 2)], 1 + 2 * 2 - 1, 1 + 2),
         # root (embed, gain, head) + 3 blocks, one param group; blocks.1's frozen scale is a flat parameter of its
         # own without a reduction
         ("odd", [(True, 1), (False, 1), (False, 1), (False, 1)], 1 + 2 * 3 - 1, 1 + 3),

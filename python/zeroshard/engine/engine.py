@@ -187,6 +187,7 @@ class ZeroEngine:
             else HybridGradReduction(self.collectives, self.replicate_collectives),
             stage=config.stage,
             max_inflight=config.max_inflight_buckets,
+            groups=self._reduction_groups(),
             on_launch=self.sharded.on_reduction_launched if self.sharded else None,
             on_reduced=self.offload.gradient_reduced if self.offload else None,
             on_finished=self._on_backward_finished,
@@ -359,6 +360,25 @@ class ZeroEngine:
         self.sharded.attach_group(self.process_group, _comm_device(self.process_group))
         self.sharded.step_fn = lambda: self.steps
         return [fp for _, fp in ordered], [b.group_index for b, _ in ordered]
+
+    def _reduction_groups(self) -> list[list[int]] | None:
+        """Stage 3: the flat parameters of one unit (one per optimizer param group, consecutive in backward order)
+        are reduced in one reduce-scatter while together they fit in ``reduce_bucket_size`` elements; stages 1-2
+        reduce each bucket on its own (None)."""
+        if self.sharded is None:
+            return None
+        groups: list[list[int]] = []
+        prev, size = None, 0
+        for fi, fp in enumerate(self.flat_params):
+            unit = self.sharded.unit_of(fp)
+            n = fp.layout.padded_numel
+            if unit is prev and size + n <= self.config.reduce_bucket_size:
+                groups[-1].append(fi)
+                size += n
+            else:
+                groups.append([fi])
+                prev, size = unit, n
+        return groups
 
     def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool, object]]) -> None:
         """Offload: fails before anything is allocated if the host buffers of every local rank do not fit.

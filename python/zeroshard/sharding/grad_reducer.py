@@ -3,8 +3,11 @@
 During backward, a post-accumulate-grad hook on every bucketed parameter adds its fresh gradient into its bucket's
 full-size gradient buffer and drops ``param.grad``. When every parameter of a bucket has reported (and all earlier
 buckets were launched, so every rank issues collectives in one order), the bucket is reduce-scattered into its gradient
-shard asynchronously while backward goes on. At every stage that is the only gradient collective: stage 1 keeps the
-whole gradient buffer (zeroed after the reduction, for the next accumulation) but needs only its shard reduced, so its
+shard asynchronously while backward goes on (at stage 3, a unit's flat parameters, one per param group, wait for each
+other and go in one reduce-scatter, as FSDP2 reduces a module's parameters). The first gradient of a parameter since
+its buffer was allocated or reduced is copied into it, later ones are added; a fresh gradient shard is written by the
+reduction, not zeroed first. At every stage that is the only gradient collective: stage 1 keeps the whole gradient
+buffer (read as zeros after the reduction, for the next accumulation) but needs only its shard reduced, so its
 traffic is DDP's (ZeRO paper section 5: P_os has DDP's volume). At most ``max_inflight`` reductions are in flight;
 beyond that the oldest is waited on and (stages 2-3) its full buffer freed, which bounds the gradient memory.
 
@@ -48,6 +51,10 @@ class GradReducer:
         collectives: ``_C.BucketedCollectives`` on the data-parallel process group.
         stage: 1 (full gradient buffers kept between steps) or 2-3 (full buffers freed after their reduce-scatter).
         max_inflight: reductions in flight before the oldest is waited on.
+        groups: flat parameters reduced together, as lists of indices into ``flat_params`` that cover it in order
+            (default: each on its own). A group is one reduce-scatter, launched once all its flat parameters have
+            their gradients: stage 3 reduces a unit's flat parameters (one per optimizer param group) in one, as FSDP2
+            reduces a module's parameters, so a unit costs one gradient collective whatever its param groups.
         on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
         on_reduced: called with each flat parameter once its reduced gradient shard is complete (optimizer offload
             copies it to the host then, while backward goes on).
@@ -62,6 +69,7 @@ class GradReducer:
         *,
         stage: int,
         max_inflight: int,
+        groups: list[list[int]] | None = None,
         on_launch: Callable[[FlatParam], None] | None = None,
         on_reduced: Callable[[FlatParam], None] | None = None,
         on_finished: Callable[[bool], None] | None = None,
@@ -75,9 +83,12 @@ class GradReducer:
         self.on_finished = on_finished
         self.world_size = collectives.world_size
         self.require_grad_sync = True
-        self._ready = [0] * len(flat_params)
+        self.groups = groups if groups is not None else [[fi] for fi in range(len(flat_params))]
+        if [fi for g in self.groups for fi in g] != list(range(len(flat_params))):
+            raise ValueError(f"groups {self.groups} must list the flat parameters 0..{len(flat_params) - 1} in order")
+        self._group_of = [gi for gi, g in enumerate(self.groups) for _ in g]
         self._reported: list[set[int]] = [set() for _ in flat_params]
-        self._next_launch = 0
+        self._next_launch = 0  # the next group to launch
         self._inflight: deque[tuple[int, object]] = deque()
         self._backward_active = False
         self._grads_ready = False
@@ -101,70 +112,102 @@ class GradReducer:
         return self._grads_ready
 
     def _make_hook(self, fi: int, pi: int):
+        # Runs once per parameter and backward: no ``torch.no_grad()`` context unless grad mode is on (only in a
+        # create_graph backward), the flat parameter looked up once here.
+        fp = self.flat_params[fi]
+        n = len(fp.params)
+
         def hook(param: torch.Tensor) -> None:
-            self._on_grad(fi, pi, param)
+            if not self._backward_active:
+                self._start_backward()
+            grad = param.grad
+            param.grad = None
+            if grad is None:
+                return
+            if torch.is_grad_enabled():  # a create_graph backward: the buffers stay out of its graph
+                with torch.no_grad():
+                    fp.accumulate_grad(pi, grad)
+            else:
+                fp.accumulate_grad(pi, grad)
+            self.used[fi].add(pi)
+            reported = self._reported[fi]
+            if pi in reported:
+                return  # a second gradient for one parameter in one backward (reentrant use): already counted
+            reported.add(pi)
+            if len(reported) == n and self.require_grad_sync and self._group_of[fi] == self._next_launch:
+                self._launch_ready()
 
         return hook
 
-    @torch.no_grad()
-    def _on_grad(self, fi: int, pi: int, param: torch.Tensor) -> None:
-        if not self._backward_active:
-            self._backward_active = True
-            self._grads_ready = False
-            Variable._execution_engine.queue_callback(self.finish_backward)
-        fp = self.flat_params[fi]
-        grad = param.grad
-        param.grad = None
-        if grad is None:
-            return
-        fp.full_grad_views()[pi].add_(grad)
-        self.used[fi].add(pi)
-        if pi in self._reported[fi]:
-            return  # a second gradient for one parameter in one backward (reentrant use): already counted
-        self._reported[fi].add(pi)
-        if self.require_grad_sync and len(self._reported[fi]) == len(fp.params):
-            self._launch_ready()
+    def _start_backward(self) -> None:
+        """First gradient of a backward: the reductions are completed when the autograd engine finishes it."""
+        self._backward_active = True
+        self._grads_ready = False
+        Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _complete(self, fi: int) -> bool:
+        return len(self._reported[fi]) == len(self.flat_params[fi].params)
 
     def _launch_ready(self) -> None:
-        n = len(self.flat_params)
-        while self._next_launch < n and len(self._reported[self._next_launch]) == len(
-            self.flat_params[self._next_launch].params
-        ):
+        """Launches, in order, every group whose flat parameters all have their gradients (the same order on every
+        rank, whatever order this rank's hooks fired in)."""
+        n = len(self.groups)
+        while self._next_launch < n and all(self._complete(fi) for fi in self.groups[self._next_launch]):
             self._launch(self._next_launch)
 
-    def _launch(self, fi: int) -> None:
-        fp = self.flat_params[fi]
-        fp.full_grad_views()  # zeros if no parameter of this bucket got a gradient (unused in this step)
+    def _launch(self, gi: int) -> None:
+        fps = [self.flat_params[fi] for fi in self.groups[gi]]
+        fulls, shards, fresh = [], [], []
+        for fp in fps:
+            fp.full_grad_views()  # zeros where no parameter got a gradient (unused in this step)
+            shard, accumulate = fp.grad_shard_for_reduction()  # a fresh shard is overwritten, not zeroed and added to
+            fulls.append(fp.full_grad)
+            shards.append(shard)
+            fresh.append(not accumulate)
+        accumulate = not all(fresh)
+        if accumulate:  # one flag per collective: a fresh shard beside an accumulating one starts from zeros
+            for shard, new in zip(shards, fresh):
+                if new:
+                    shard.zero_()
         scale = 1.0 / self.world_size
-        handle = self.collectives.reduce_scatter([fp.full_grad], [fp.grad_shard], fp.full_grad.numel(), scale, True)
-        self._inflight.append((fi, handle))
-        self._next_launch = fi + 1
+        bucket = sum(f.numel() for f in fulls)  # one reduce-scatter for the whole group
+        handle = self.collectives.reduce_scatter(fulls, shards, bucket, scale, accumulate)
+        self._inflight.append((gi, handle))
+        self._next_launch = gi + 1
         if self.on_launch is not None:
-            self.on_launch(fp)
+            for fp in fps:
+                self.on_launch(fp)
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        fi, handle = self._inflight.popleft()
-        fp = self.flat_params[fi]
+        gi, handle = self._inflight.popleft()
+        group = self.groups[gi]
         with named_collective(
             "gradient reduce-scatter",
-            lambda: describe_bucket(fi, fp.names, fp.numel),
+            lambda: describe_bucket(
+                group[0],
+                [name for fi in group for name in self.flat_params[fi].names],
+                sum(self.flat_params[fi].numel for fi in group),
+            ),
             step=self.step_fn(),
             rank=self.collectives.rank,
             world_size=self.world_size,
         ):
             handle.wait()
-        if self.check_finite:  # a NaN/inf makes the sum non-finite: one read of the shard, 30x cheaper than isfinite
-            total = fp.grad_shard.sum(dtype=torch.float32)
-            prev = self._sums[fi]
-            self._sums[fi] = total if prev is None else prev + total  # a non-finite sum stays non-finite
-        if self.stage == 1:
-            fp.full_grad.zero_()  # stage 1 keeps its full gradient buffer for the next step
-        else:
-            fp.free_full_grad()
-        if self.on_reduced is not None:
-            self.on_reduced(fp)
+        for fi in group:
+            fp = self.flat_params[fi]
+            if self.check_finite:  # a NaN/inf makes the sum non-finite: one read of the shard, 30x cheaper than
+                # isfinite
+                total = fp.grad_shard.sum(dtype=torch.float32)
+                prev = self._sums[fi]
+                self._sums[fi] = total if prev is None else prev + total  # a non-finite sum stays non-finite
+            if self.stage == 1:
+                fp.reset_full_grad()  # stage 1 keeps its full gradient buffer: the next gradients are copied in
+            else:
+                fp.free_full_grad()
+            if self.on_reduced is not None:
+                self.on_reduced(fp)
 
     def take_flags(self) -> tuple[torch.Tensor, list[set[int]]]:
         """Since the last call (then reset): per bucket, 1.0 where a reduced gradient shard's sum was NaN/inf (float32,
@@ -195,7 +238,7 @@ class GradReducer:
             return
         if self._grads_ready:
             return
-        while self._next_launch < len(self.flat_params):
+        while self._next_launch < len(self.groups):
             self._launch(self._next_launch)
         while self._inflight:
             self._complete_oldest()

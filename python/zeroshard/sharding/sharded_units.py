@@ -20,10 +20,11 @@ slots hold :class:`~zeroshard.sharding.sharded_param.ShardedParameter` placehold
 unit on demand on every rank (a collective), whole-tensor writes land in the shard. The hooks are hidden from
 ``torch.compile`` (``torch.compiler.disable``): a compiled block graph-breaks at its hooks and compiles its body.
 
-Every gather is one bucketed all-gather over the unit's flat parameters, on a process group of its own, carrying a
-tag (the unit's index and phase, :mod:`zeroshard.sharding.gather_check`) that every rank checks before using the buffer:
-ranks that took different code paths end with an error naming every rank's unit, never training on parameters mixed
-across units (the failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is
+Every gather is one bucketed all-gather over the unit's flat parameters, sent from one packed row (the unit's shards
+back to back, then the tag: :func:`pack_shards`), on a process group of its own, carrying a tag (the unit's index and
+phase, :mod:`zeroshard.sharding.gather_check`) that every rank checks before using the buffer: ranks that took
+different code paths end with an error naming every rank's unit, never training on parameters mixed across units (the
+failure mode of pytorch issue 158719). A wait that fails (a collective timeout, a dead rank) is
 re-raised as a :class:`~zeroshard.sharding.collective_errors.CollectiveError` naming the unit, the step and the rank.
 ``check_gather_order=True`` (debug) also exchanges the unit before every all-gather, which names the divergence even
 where the units' sizes differ (the backend may otherwise abort on the mismatched sizes first).
@@ -73,6 +74,8 @@ class Unit:
         self.tags: torch.Tensor | None = None  # every rank's tag, filled by that all-gather
         self.tag_tensors: dict[bool, torch.Tensor] = {}  # this rank's tag per phase (backward or not), as sent
         self.backward = False  # whether the all-gather in flight is for backward
+        self.tag_slot: torch.Tensor | None = None  # the tag's place in the packed row (pack_shards), if packed
+        self.slot_phase: bool | None = None  # the phase whose tag the slot holds
         self.reason: str | None = None  # what the all-gather in flight is for, outside forward/backward (for errors)
 
     @property
@@ -176,6 +179,7 @@ class ShardedUnits:
         self._post_backward_hooks = [self._make_post_backward_hook(i) for i in range(len(units))]
         for i, unit in enumerate(units):
             unit.index = i
+            pack_shards(unit, gather_check.TAG_ELEMS if self.tagged else 0)
         for i, unit in enumerate(units):
             if unit.is_root:
                 continue
@@ -283,6 +287,11 @@ class ShardedUnits:
         if unit.tags is None:
             world = self.collectives.world_size
             unit.tags = torch.empty(world * gather_check.TAG_ELEMS, dtype=fp0.dtype, device=fp0.full.device)
+        if unit.tag_slot is not None:  # packed: the tag goes behind the shards, so the row is sent as it lies
+            if unit.slot_phase is not unit.backward:
+                unit.tag_slot.copy_(tag)
+                unit.slot_phase = unit.backward
+            tag = unit.tag_slot
         return [tag], [unit.tags]
 
     def _check_tags(self, index: int, tags: torch.Tensor) -> None:
@@ -560,6 +569,10 @@ class ShardedUnits:
         if unit.launched == len(unit.trainable):
             self._free_if_backward_done(unit, unit.index)
 
+    def unit_of(self, fp: FlatParam) -> Unit:
+        """The unit holding flat parameter ``fp``."""
+        return self._unit_of[id(fp)]
+
     def bind_flat_params(self) -> None:
         self._unit_of = {id(fp): u for u in self.units for fp in u.flat_params}
 
@@ -685,6 +698,26 @@ class ShardedUnits:
     def attach_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """The process group and device for the debug order check."""
         self._group, self._check_device, self._gather_count = group, device, 0
+
+
+def pack_shards(unit: Unit, tag_elems: int) -> None:
+    """Moves the shards of ``unit``'s flat parameters back to back into one buffer (the row this rank sends in the
+    unit's all-gather), followed by ``tag_elems`` elements for the gather tag, so the all-gather sends the row where it
+    lies instead of first copying the shards and the tag together (FSDP2's all-gather copy-in; 1.6 MB per gather of a
+    4 x 256 block here). Units whose shards live in host memory (parameter offload) or differ in dtype or device, or
+    with nothing to pack, keep their own shards."""
+    fps = unit.flat_params
+    if len(fps) + (tag_elems > 0) < 2 or any(fp.keep_full or fp.host_shard for fp in fps):
+        return
+    if len({(fp.shard.dtype, fp.shard.device) for fp in fps}) != 1:
+        return
+    sizes = [fp.shard.numel() for fp in fps] + [tag_elems]
+    row = torch.empty(sum(sizes), dtype=fps[0].shard.dtype, device=fps[0].shard.device)
+    parts = row.split(sizes)
+    for fp, part in zip(fps, parts):
+        fp.move_shard(part)
+    if tag_elems:
+        unit.tag_slot = parts[-1]
 
 
 def _registered(ph: ShardedParameter) -> bool:
