@@ -162,6 +162,15 @@ class FlatPlan:
     units: list[int]  # stage 3: padded numel per non-root unit (trainable + frozen)
     largest_param: int
     fp32_state: list[bool] | None = None  # per trainable flat parameter: fp32 moments (int8 state's small tensors)
+    # stage 3: per unit with trainable flat parameters (unit order), their padded numel together (one reduce-scatter
+    # each, GradReducer's groups) and whether there are several (their gradients are copied into one staging buffer)
+    groups: list[int] | None = None
+    staged: list[bool] | None = None
+
+    @property
+    def reductions(self) -> list[int]:
+        """Padded numel per reduce-scatter of a step, in launch order."""
+        return self.groups if self.groups is not None else self.trainable
 
     @property
     def trainable_numel(self) -> int:
@@ -199,19 +208,22 @@ def flat_plan(spec: ModelSpec, train: Training, layout: Layout, world: int) -> F
 
     if layout.stage == 3:
         trainable, fp32_state, root = [], [], 0
-        units = []
+        units, groups, staged = [], [], []
         for i, u in enumerate(spec.units):
             parts = [[s for s in u.shapes if not small(s)], [s for s in u.shapes if small(s)]]
             flats = [(_padded(part, k, align), is_small) for part, is_small in zip(parts, (False, True)) if part]
             trainable += [n for n, _ in flats]
             fp32_state += [is_small for _, is_small in flats]
+            if flats:
+                groups.append(sum(n for n, _ in flats))
+                staged.append(len(flats) > 1)
             total = sum(n for n, _ in flats) + _padded(u.frozen, k, align)
             if i == 0:
                 root = total
             else:
                 units.append(total)
         frozen = [f for f in (_padded(u.frozen, k, align) for u in spec.units) if f]
-        return FlatPlan(k, trainable, frozen, root, units, largest, fp32_state)
+        return FlatPlan(k, trainable, frozen, root, units, largest, fp32_state, groups, staged)
     # the engine's plan_buckets: reverse registration order, one open bucket per kind (set apart or not), each cut at
     # reduce_bucket_size
     buckets: list[tuple[list[Shape], bool]] = []
@@ -292,6 +304,8 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     inflight = train.max_inflight_buckets + 1
     # reductions launch in flat-parameter order at stages 1-2, in reverse unit order (root last) at stage 3
     last = fp.trainable[:inflight] if layout.stage == 3 else fp.trainable[-inflight:]
+    reductions = list(zip(fp.reductions, fp.staged or [False] * len(fp.reductions)))
+    last_reductions = reductions[:inflight] if layout.stage == 3 else reductions[-inflight:]
     param_grad = p * fp.largest_param  # autograd's .grad before the hook moves it into the bucket
 
     if off and cluster.device == "cuda":
@@ -307,8 +321,10 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     def shards(flats: list[int]) -> float:  # offload: device gradient shards until their copy to the host is done
         return g * sum(fp.shard(n) for n in flats) if off else 0.0
 
-    def rs_temp(flats: list[int]) -> float:  # gloo: an all-to-all into a full-size buffer, summed there in place
-        return g * max(flats, default=0) if gloo else 0.0
+    def rs_temp(reds: list[tuple[int, bool]]) -> float:
+        # gloo: an all-to-all into a full-size buffer, summed there in place; a unit of several flat parameters
+        # (stage 3) first copies their gradients into one staging buffer, on any backend
+        return max((g * n * (int(gloo) + int(staged)) for n, staged in reds), default=0.0)
 
     gathered = 0.0
     if layout.stage == 3:
@@ -357,17 +373,17 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         walk = max(walk, layers_act * (1 - done / total) + held)
         backward = max(backward, held + param_grad)
         done += n
-    comm_temp_backward = rs_temp(fp.trainable) if len(fp.trainable) > 1 else 0.0
+    comm_temp_backward = rs_temp(reductions) if len(reductions) > 1 else 0.0
     if gloo and layout.stage == 3:  # the next unit's all-gather (prefetch) runs through gloo's full-size copy
         comm_temp_backward += p * max(fp.units, default=0)
     ag_temp = p * max(fp.trainable, default=0) if gloo and layout.stage != 3 else 0.0  # gloo's all-gather copy
     dev["buckets"] = float(max(backward, tail, staging))
-    dev["comm_temp"] = float(max(comm_temp_backward, rs_temp(last), ag_temp))
+    dev["comm_temp"] = float(max(comm_temp_backward, rs_temp(last_reductions), ag_temp))
     resident = sum(dev[i] for i in ("params", "grads", "master", "optimizer_state", "cuda_context"))
     phases = {
         "backward_start": resident + gathered + layers_act + head_act + param_grad,
         "backward": resident + gathered + walk + param_grad + comm_temp_backward,
-        "last_reduction": resident + p * fp.root + tail + rs_temp(last),
+        "last_reduction": resident + p * fp.root + tail + rs_temp(last_reductions),
         "optimizer_step": resident + dev["step_temp"],
         "after_step": resident + staging + ag_temp,
     }

@@ -83,7 +83,7 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     shard_link, cross_link = _link(cluster, k), _link(cluster, world if r > 1 else 1)
     padded = fp.trainable_numel
     shard_t = padded // k
-    n_flat = len(fp.trainable)
+    n_flat = len(fp.reductions)  # reduce-scatters per step (stage 3: one per unit)
     rs_bytes = g * padded * (k - 1) / k
     rs = _ring(rs_bytes, k, n_flat, shard_link)
     shard_dtype = g if layout.offload_optimizer else 4
