@@ -4,7 +4,8 @@ The first gradient of a parameter is copied into the full gradient buffer, later
 zero-filled as a whole, so these tests make every fresh allocation NaN (a patched ``torch.empty``) and check that
 what a reduction reads is exactly the sum of the gradients, zeros in the padding and where no gradient came. A fresh
 gradient shard goes to the reduction to be overwritten. A unit's shards are packed back to back, then the gather tag's
-slot; the values, and the master where it aliases the shard, move with them.
+slot; the values, and the master where it aliases the shard, move with them. A reduction group (stage 3: one unit's
+flat parameters) is one reduce-scatter whose shards equal plain autograd's gradients, in a create_graph backward too.
 """
 
 from __future__ import annotations
@@ -144,3 +145,46 @@ def test_pack_shards_leaves_what_it_cannot_pack():
         kept[0].move_shard(torch.empty_like(kept[0].shard))
     pack_shards(_unit(kept), 4)
     assert all(fp.shard.data_ptr() == fp.full.data_ptr() for fp in kept)
+
+
+class _OneRank:
+    """The collectives GradReducer needs, for one rank: a reduce-scatter is ``shard (+)= scale * full``."""
+
+    world_size, rank = 1, 0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def reduce_scatter(self, fulls, shards, bucket, scale, accumulate):
+        self.calls.append((len(fulls), accumulate))
+        for full, shard in zip(fulls, shards):
+            shard.copy_(shard + scale * full if accumulate else scale * full)
+        return types.SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's own advice
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_group_is_one_reduction_of_its_flat_parameters_gradients(create_graph):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    reference = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    reference.load_state_dict(model.state_dict())
+    weights = [model[0].weight, model[2].weight]
+    biases = [model[0].bias, model[2].bias]
+    opts = dict(rank=0, world_size=1, align_elems=4, master_device=torch.device("cpu"))
+    fps = [FlatParam(["w0", "w2"], weights, **opts), FlatParam(["b0", "b2"], biases, **opts)]
+    stub = _OneRank()
+    reducer = GradReducer(fps, stub, stage=1, max_inflight=2, groups=[[0, 1]])
+    x = torch.randn(5, 4)
+    for n in (1, 2):  # a second backward before any step adds to the reduced shards
+        model(x).square().sum().backward(create_graph=create_graph)
+        reducer.finish_backward()
+        reference(x).square().sum().backward()
+        assert stub.calls == [(2, False), (2, True)][:n]  # one reduce-scatter of both, the first one fresh
+        for fp, names in zip(fps, (("0.weight", "2.weight"), ("0.bias", "2.bias"))):
+            want = torch.cat([reference.get_parameter(name).grad.reshape(-1) for name in names])
+            got = torch.cat([fp.grad_shard[off : off + m] for off, m in zip(fp.layout.offsets, fp.layout.numels)])
+            torch.testing.assert_close(got, want)
+            assert not fp.full_grad.requires_grad and not fp.grad_shard.requires_grad
+            assert all(p.grad is None for p in fp.params)
+    reducer.remove_hooks()

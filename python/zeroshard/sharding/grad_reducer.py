@@ -117,18 +117,14 @@ class GradReducer:
         fp = self.flat_params[fi]
         n = len(fp.params)
 
-        def hook(param: torch.Tensor) -> None:
+        def on_grad(param: torch.Tensor) -> None:
             if not self._backward_active:
                 self._start_backward()
             grad = param.grad
             param.grad = None
             if grad is None:
                 return
-            if torch.is_grad_enabled():  # a create_graph backward: the buffers stay out of its graph
-                with torch.no_grad():
-                    fp.accumulate_grad(pi, grad)
-            else:
-                fp.accumulate_grad(pi, grad)
+            fp.accumulate_grad(pi, grad)
             self.used[fi].add(pi)
             reported = self._reported[fi]
             if pi in reported:
@@ -136,6 +132,13 @@ class GradReducer:
             reported.add(pi)
             if len(reported) == n and self.require_grad_sync and self._group_of[fi] == self._next_launch:
                 self._launch_ready()
+
+        def hook(param: torch.Tensor) -> None:
+            if torch.is_grad_enabled():  # a create_graph backward: buffers and collectives stay out of its graph
+                with torch.no_grad():
+                    on_grad(param)
+            else:
+                on_grad(param)
 
         return hook
 
