@@ -366,11 +366,22 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     layers_act, head_act = _activations(spec, train)
     order = list(reversed(fp.trainable)) if layout.stage == 3 else list(fp.trainable)
     total = max(1, sum(order))
+    # On CPU a fresh full gradient buffer takes memory page by page as its gradients are copied in (it is never
+    # zero-filled, FlatParam.accumulate_grad), while its part of the activations is freed: either end of a bucket's
+    # backward is its peak. A device's allocator hands the whole buffer out at once.
+    paged = cluster.device == "cpu"
     backward, walk, done = param_grad, 0.0, 0
     for j, n in enumerate(order):
         full = g * sum(order[max(0, j - inflight + 1) : j + 1]) if layout.stage != 1 else 0.0
         held = full + shards(order[max(0, j - queued + 1) : j])  # earlier shards still queued for the host
-        walk = max(walk, layers_act * (1 - done / total) + held)
+        # gradient shards are allocated by their reduction (fresh after every step): those not reduced yet take
+        # nothing (counted in dev["grads"] for the whole step otherwise)
+        pending = 0.0 if off else 4.0 * sum(fp.shard(m) for m in order[j:])
+        if paged and layout.stage != 1:
+            start = layers_act * (1 - done / total) + held - g * n
+            walk = max(walk, start - pending, layers_act * (1 - (done + n) / total) + held - pending)
+        else:
+            walk = max(walk, layers_act * (1 - done / total) + held - pending)
         backward = max(backward, held + param_grad)
         done += n
     comm_temp_backward = rs_temp(reductions) if len(reductions) > 1 else 0.0
@@ -381,7 +392,7 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     dev["comm_temp"] = float(max(comm_temp_backward, rs_temp(last_reductions), ag_temp))
     resident = sum(dev[i] for i in ("params", "grads", "master", "optimizer_state", "cuda_context"))
     phases = {
-        "backward_start": resident + gathered + layers_act + head_act + param_grad,
+        "backward_start": resident + gathered + layers_act + head_act + param_grad - (0.0 if off else 4.0 * shard_t),
         "backward": resident + gathered + walk + param_grad + comm_temp_backward,
         "last_reduction": resident + p * fp.root + tail + rs_temp(last_reductions),
         "optimizer_step": resident + dev["step_temp"],
