@@ -25,9 +25,27 @@ def free_port() -> int:
 def run_ranks(script: str | Path, args: list[str], world_size: int = 2, timeout: float = 600.0) -> list[str]:
     """Starts ``world_size`` copies of ``script`` and waits for all; returns each rank's combined output.
 
+    The rendezvous port is picked free, but another process may take it before rank 0 binds it (parallel test workers
+    do): rank 0 then fails at once with EADDRINUSE, and the run starts again on a new port (at most 3 tries) instead of
+    leaving the other ranks waiting for a store that will never come.
+
     Raises:
         AssertionError: if a rank fails or the deadline passes, with the output of every rank.
     """
+    for _ in range(3):
+        procs, outputs, failed, port_taken = _launch(script, args, world_size, timeout)
+        if not port_taken:
+            break
+    if failed:
+        report = "\n".join(
+            f"===== rank {r} (exit {p.returncode}) =====\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outputs))
+        )
+        raise AssertionError(f"{script} failed:\n{report}")
+    return outputs
+
+
+def _launch(script: str | Path, args: list[str], world_size: int, timeout: float):
+    """One run: ``(processes, outputs, failed, port_taken)``; ``port_taken``: rank 0 could not bind the port."""
     port = free_port()
     procs = []
     for rank in range(world_size):
@@ -65,9 +83,9 @@ def run_ranks(script: str | Path, args: list[str], world_size: int = 2, timeout:
             failed = True
         failed |= p.returncode != 0
         outputs.append(out)
-    if failed:
-        report = "\n".join(
-            f"===== rank {r} (exit {p.returncode}) =====\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outputs))
-        )
-        raise AssertionError(f"{script} failed:\n{report}")
-    return outputs
+        if rank == 0 and p.returncode != 0 and "EADDRINUSE" in out:
+            for q in procs[1:]:
+                q.kill()
+            outputs += [q.communicate()[0] for q in procs[1:]]
+            return procs, outputs, True, True
+    return procs, outputs, failed, False
