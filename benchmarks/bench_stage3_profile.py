@@ -215,6 +215,7 @@ def profile_run(run: Run, steps: int) -> dict:
             "gathered_buffers_MiB": sum(gathered) / steps / 2**20,
         },
         "backend_collectives_per_step": backend,
+        "self_cpu_us_per_step": _self_cpu(prof, steps),
     }
     if cache0 is not None and run.engine is not None:
         out["buffer_cache_per_step"] = {
@@ -227,6 +228,24 @@ def profile_run(run: Run, steps: int) -> dict:
         out["engine_collectives_per_step"] = {k: v["calls"] for k, v in last.items()}
         out["units"] = len(run.engine.sharded.units)
     return out
+
+
+def _self_cpu(prof, steps: int) -> dict[str, float]:
+    """Self CPU microseconds per step of every op and range (main thread's view: an op's own time, its children's
+    excluded), the largest first."""
+    rows = {e.key: e.self_cpu_time_total / steps for e in prof.key_averages()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
+def _top_ops(p3: dict, pd: dict, n: int = 12) -> list[str]:
+    """The ops where stage 3 spends the most self CPU beyond DDP, per step."""
+    s3, sd = p3.get("self_cpu_us_per_step"), pd.get("self_cpu_us_per_step")
+    if not s3 or not sd:
+        return []
+    diff = sorted(((k, v - sd.get(k, 0.0)) for k, v in s3.items()), key=lambda kv: -kv[1])[:n]
+    lines = ["", "| op (self CPU, main thread) | stage 3 us/step | DDP us/step | more |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | {s3[k]:.0f} | {sd.get(k, 0.0):.0f} | {d:.0f} |" for k, d in diff]
+    return lines
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -314,8 +333,8 @@ def markdown(data: dict) -> str:
             f"| engine collectives | {_fmt(p3.get('engine_collectives_per_step', {}))} | - |",
             f"| backend collectives | {_fmt(p3['backend_collectives_per_step'])} | "
             f"{_fmt(pd['backend_collectives_per_step'])} |",
-            "",
         ]
+        lines += _top_ops(p3, pd) + [""]
     lines += _python_summary(data)
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """FlatParam's gradient buffers and stage 3's packed shards (issue 22), single process.
 
 The first gradient of a parameter is copied into the full gradient buffer, later ones are added: the buffer is never
-zero-filled as a whole, so these tests make every fresh allocation NaN (a patched ``torch.empty``) and check that
+zero-filled as a whole, so these tests make every fresh allocation NaN (torch's deterministic fill, which reaches the
+C++ core's allocations too) and check that
 what a reduction reads is exactly the sum of the gradients, zeros in the padding and where no gradient came. A fresh
 gradient shard goes to the reduction to be overwritten. A unit's shards are packed back to back, then the gather tag's
 slot; the values, and the master where it aliases the shard, move with them. A reduction group (stage 3: one unit's
@@ -24,15 +25,22 @@ SHAPES = [(3, 5), (7,), (2, 2)]  # 15 + 7 + 4 elements: padding between and afte
 
 
 @pytest.fixture
-def nan_empty(monkeypatch):
-    """Every torch.empty returns NaN, so an element read before it is written shows."""
-    empty = torch.empty
+def nan_empty():
+    """Every uninitialised allocation, Python's and the C++ core's (``at::empty`` in ``_C.GradBuffer``), is NaN, so an
+    element read before it is written shows: torch's deterministic mode fills new memory."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    monkeypatch.setattr(torch, "empty", poisoned)
+def test_nan_empty_poisons_the_cores_allocations(nan_empty):
+    fp = _flat()
+    fp.accumulate_grad(1, torch.ones(SHAPES[1]))  # allocates the buffer in C++; parameter 0's view is unwritten
+    assert torch.isnan(fp.full_grad[fp.layout.offsets[0]])
 
 
 def _flat(seed: int = 0, **kwargs) -> FlatParam:
@@ -188,3 +196,42 @@ def test_a_group_is_one_reduction_of_its_flat_parameters_gradients(create_graph)
             assert not fp.full_grad.requires_grad and not fp.grad_shard.requires_grad
             assert all(p.grad is None for p in fp.params)
     reducer.remove_hooks()
+
+
+class _LaunchFailed(RuntimeError):
+    pass
+
+
+def test_an_error_launching_a_reduction_reaches_backwards_caller_unchanged():
+    """The hooks run in C++ (``_C.GradHooks``); a Python error raised in their callback (a reduction that fails to
+    launch, a CollectiveError) ends the backward as the same exception, not as a RuntimeError naming it."""
+    model = nn.Linear(3, 2)
+    fp = FlatParam(
+        ["w", "b"], [model.weight, model.bias], rank=0, world_size=1, align_elems=4, master_device=torch.device("cpu")
+    )
+
+    class Failing(_OneRank):
+        def reduce_scatter(self, *args):
+            raise _LaunchFailed("the reduce-scatter could not start")
+
+    reducer = GradReducer([fp], Failing(), stage=2, max_inflight=2)
+    with pytest.raises(_LaunchFailed, match="could not start"):
+        model(torch.randn(4, 3)).sum().backward()
+    reducer.remove_hooks()
+
+
+def test_removed_hooks_leave_gradients_in_grad_and_a_dropped_reducer_unhooks():
+    model = nn.Linear(3, 2)
+    fp = FlatParam(
+        ["w", "b"], [model.weight, model.bias], rank=0, world_size=1, align_elems=4, master_device=torch.device("cpu")
+    )
+    reducer = GradReducer([fp], _OneRank(), stage=2, max_inflight=2)
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is None and fp.grad_shard.abs().sum() > 0  # taken by the hooks, reduced
+    reducer.remove_hooks()
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None  # plain autograd again
+    model.weight.grad = None
+    GradReducer([fp], _OneRank(), stage=2, max_inflight=2)  # not kept: collected at once, its hooks go with it
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.weight.grad is not None

@@ -50,8 +50,8 @@ class FlatParam:
             memory, as in FSDP2's sharded parameter).
         grad_shard: gradient shard (``layout.shard_numel``; fp32, or ``reduce_dtype`` with ``offload``), filled by the
             reducer after each synchronised backward.
-        full_grad: full-size gradient accumulation buffer (allocated on first use, freed after its reduce-scatter at
-            stage 2, kept at stage 1).
+        grad_buffer: ``_C.GradBuffer``, the full-size gradient accumulation buffer (:attr:`full_grad`: allocated on
+            first use, freed after its reduce-scatter at stages 2-3, kept at stage 1).
     """
 
     def __init__(
@@ -140,8 +140,7 @@ class FlatParam:
         del source
         if not keep_full:
             self.free_full()
-        self.full_grad: torch.Tensor | None = None
-        self._grad_unwritten: set[int] = set()  # parameters whose full_grad view was not written since allocation
+        self.grad_buffer = _C.GradBuffer(self.layout, self.grad_dtype, self.device)
 
     # -- stage 3: full buffer on use only ------------------------------------------------------------------------------
 
@@ -321,61 +320,31 @@ class FlatParam:
         """Elements of the parameters, without padding."""
         return sum(p.numel() for p in self.params)
 
+    @property
+    def full_grad(self) -> torch.Tensor | None:
+        """Full-size gradient accumulation buffer (:attr:`grad_buffer`'s, ``layout.padded_numel`` elements of
+        ``grad_dtype``), or None while not allocated."""
+        return self.grad_buffer.full
+
     def full_grad_views(self) -> list[torch.Tensor]:
         """Per-parameter views of :attr:`full_grad`, allocating it on first use; every element reads as accumulated
         (zeros where no gradient arrived since the buffer was allocated or :meth:`reset_full_grad`)."""
-        views = self._grad_views if self.full_grad is not None else self._alloc_full_grad()
-        if self._grad_unwritten:
-            for i in self._grad_unwritten:
-                views[i].zero_()
-            self._grad_unwritten = set()
-        return views
+        return self.grad_buffer.views()
 
     def accumulate_grad(self, index: int, grad: torch.Tensor) -> None:
         """Adds ``grad`` (parameter ``index``'s shape; any floating dtype, converted to ``grad_dtype``) into the
-        parameter's view of :attr:`full_grad`; call it with grad mode off (a backward's hooks run so). The first
-        gradient since the buffer was allocated or reset is copied, so the buffer is never zero-filled as a whole (3
-        MiB here: zeros then an add 113 us, a copy 68-88 us; issue 22). DDP's reducer copies a first gradient into its
-        bucket too."""
-        views = self._grad_views if self.full_grad is not None else self._alloc_full_grad()
-        if index in self._grad_unwritten:
-            views[index].copy_(grad)
-            self._grad_unwritten.discard(index)
-        else:
-            views[index].add_(grad)
-
-    def _alloc_full_grad(self) -> list[torch.Tensor]:
-        """Allocates :attr:`full_grad` uninitialised; its padding is zeroed (reductions read it), every parameter's
-        view is unwritten until its first :meth:`accumulate_grad`."""
-        self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-        self._grad_views = self.layout.views(self.full_grad)
-        gaps = self._padding_index()
-        if gaps is not None:
-            self.full_grad.index_fill_(0, gaps, 0)
-        self._grad_unwritten = set(range(len(self.params)))
-        return self._grad_views
-
-    def _padding_index(self) -> torch.Tensor | None:
-        """Indices of the padding elements of the flat buffer (between parameters and after the last), made once."""
-        if not hasattr(self, "_padding"):
-            idx, pos = [], 0
-            for off, n in zip(self.layout.offsets, self.layout.numels):
-                idx.extend(range(pos, off))
-                pos = max(pos, off + n)
-            idx.extend(range(pos, self.layout.padded_numel))
-            self._padding = torch.tensor(idx, dtype=torch.long, device=self.device) if idx else None
-        return self._padding
+        parameter's view of :attr:`full_grad`; call it with grad mode off. The first gradient since the buffer was
+        allocated or reset is copied, so the buffer is never zero-filled as a whole (3 MiB here: zeros then an add
+        113 us, a copy 68-88 us; issue 22). Backward does the same in C++ (``_C.GradHooks``)."""
+        self.grad_buffer.accumulate(index, grad)
 
     def reset_full_grad(self) -> None:
         """Stage 1, after a reduction: the kept :attr:`full_grad` reads as zeros again, without writing it (the next
         gradients are copied in, :meth:`accumulate_grad`)."""
-        if self.full_grad is not None:
-            self._grad_unwritten = set(range(len(self.params)))
+        self.grad_buffer.reset()
 
     def free_full_grad(self) -> None:
-        self.full_grad = None
-        self._grad_views = None
-        self._grad_unwritten = set()
+        self.grad_buffer.release()
 
     @torch.no_grad()
     def load_master_into_shard(self) -> None:

@@ -1,15 +1,17 @@
 """GradReducer: moves gradients from the module's parameters into flat buckets and reduces them across ranks.
 
-During backward, a post-accumulate-grad hook on every bucketed parameter adds its fresh gradient into its bucket's
-full-size gradient buffer and drops ``param.grad``. When every parameter of a bucket has reported (and all earlier
-buckets were launched, so every rank issues collectives in one order), the bucket is reduce-scattered into its gradient
-shard asynchronously while backward goes on (at stage 3, a unit's flat parameters, one per param group, wait for each
-other and go in one reduce-scatter, as FSDP2 reduces a module's parameters). The first gradient of a parameter since
-its buffer was allocated or reduced is copied into it, later ones are added; a fresh gradient shard is written by the
-reduction, not zeroed first. At every stage that is the only gradient collective: stage 1 keeps the whole gradient
-buffer (read as zeros after the reduction, for the next accumulation) but needs only its shard reduced, so its
-traffic is DDP's (ZeRO paper section 5: P_os has DDP's volume). At most ``max_inflight`` reductions are in flight;
-beyond that the oldest is waited on and (stages 2-3) its full buffer freed, which bounds the gradient memory.
+During backward, a C++ post hook on every bucketed parameter's gradient accumulator (``_C.GradHooks``, as DDP's reducer
+hooks its buckets) adds its fresh gradient into its bucket's full-size gradient buffer (``_C.GradBuffer``) and drops
+``param.grad``; Python hears once per backward and once per complete bucket. When every parameter of a bucket has
+reported (and all earlier buckets were launched, so every rank issues collectives in one order), the bucket is
+reduce-scattered into its gradient shard asynchronously while backward goes on (at stage 3, a unit's flat parameters,
+one per param group, wait for each other and go in one reduce-scatter, as FSDP2 reduces a module's parameters). The
+first gradient of a parameter since its buffer was allocated or reduced is copied into it, later ones are added; a fresh
+gradient shard is written by the reduction, not zeroed first. At every stage that is the only gradient collective:
+stage 1 keeps the whole gradient buffer (read as zeros after the reduction, for the next accumulation) but needs only
+its shard reduced, so its traffic is DDP's (ZeRO paper section 5: P_os has DDP's volume). At most ``max_inflight``
+reductions are in flight; beyond that the oldest is waited on and (stages 2-3) its full buffer freed, which bounds the
+gradient memory.
 
 When backward ends (an autograd engine callback, with the strategy's ``post_backward`` as a fallback), buckets that
 did not complete (parameters unused in this step) are launched with zeros for the missing gradients, so all ranks
@@ -32,6 +34,7 @@ reduction runs once, in the last micro-batch's backward, like DDP's ``no_sync``.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -87,69 +90,59 @@ class GradReducer:
         if [fi for g in self.groups for fi in g] != list(range(len(flat_params))):
             raise ValueError(f"groups {self.groups} must list the flat parameters 0..{len(flat_params) - 1} in order")
         self._group_of = [gi for gi, g in enumerate(self.groups) for _ in g]
-        self._reported: list[set[int]] = [set() for _ in flat_params]
         self._next_launch = 0  # the next group to launch
         self._inflight: deque[tuple[int, object]] = deque()
-        self._backward_active = False
         self._grads_ready = False
-        self._handles = []
-        self.used: list[set[int]] = [set() for _ in flat_params]  # params with a gradient here since the reduction
+        self._used: list[set[int]] = [set() for _ in flat_params]  # taken from the hooks: see the `used` property
         self.check_finite = False
         self._sums: list[torch.Tensor | None] = [None] * len(flat_params)  # per bucket, since take_flags
         self.step_fn: Callable[[], int | None] = lambda: None  # the engine's step counter, for error messages
-        for fi, fp in enumerate(flat_params):
-            for pi, p in enumerate(fp.params):
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(fi, pi)))
+        # One C++ post hook per parameter on its gradient accumulator (csrc/grad/grad_hooks.h): it moves .grad into
+        # the flat parameter's buffer; Python hears of a backward's first gradient and of each complete flat parameter.
+        # The callbacks hold the reducer weakly: the C++ object is no part of Python's garbage collection, so a strong
+        # reference would keep the reducer, its hooks and the parameters alive forever.
+        ref = weakref.ref(self)
+        self._hooks = _C.GradHooks(
+            [fp.params for fp in flat_params],
+            [fp.grad_buffer for fp in flat_params],
+            lambda: _call(ref, "_start_backward"),
+            lambda fi: _call(ref, "_on_complete", fi),
+        )
 
     def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._hooks.remove()
+
+    @property
+    def used(self) -> list[set[int]]:
+        """Per flat parameter, the indices of its parameters that got a gradient on this rank since the last
+        :meth:`take_flags` (micro-batches included)."""
+        for fi, used in enumerate(self._used):
+            used.update(self._hooks.take_used(fi))
+        return self._used
 
     @property
     def grads_ready(self) -> bool:
         """True once a synchronised backward finished and :attr:`FlatParam.grad_shard` holds the reduced gradient."""
         return self._grads_ready
 
-    def _make_hook(self, fi: int, pi: int):
-        # Runs once per parameter and backward: no ``torch.no_grad()`` context unless grad mode is on (only in a
-        # create_graph backward), the flat parameter looked up once here.
-        fp = self.flat_params[fi]
-        n = len(fp.params)
-
-        def on_grad(param: torch.Tensor) -> None:
-            if not self._backward_active:
-                self._start_backward()
-            grad = param.grad
-            param.grad = None
-            if grad is None:
-                return
-            fp.accumulate_grad(pi, grad)
-            self.used[fi].add(pi)
-            reported = self._reported[fi]
-            if pi in reported:
-                return  # a second gradient for one parameter in one backward (reentrant use): already counted
-            reported.add(pi)
-            if len(reported) == n and self.require_grad_sync and self._group_of[fi] == self._next_launch:
+    def _on_complete(self, fi: int) -> None:
+        """Hook callback: flat parameter ``fi`` has all its gradients of this backward. A create_graph backward runs
+        hooks in grad mode: buffers and collectives stay out of its graph."""
+        if not self.require_grad_sync or self._group_of[fi] != self._next_launch:
+            return
+        if torch.is_grad_enabled():
+            with torch.no_grad():
                 self._launch_ready()
-
-        def hook(param: torch.Tensor) -> None:
-            if torch.is_grad_enabled():  # a create_graph backward: buffers and collectives stay out of its graph
-                with torch.no_grad():
-                    on_grad(param)
-            else:
-                on_grad(param)
-
-        return hook
+        else:
+            self._launch_ready()
 
     def _start_backward(self) -> None:
         """First gradient of a backward: the reductions are completed when the autograd engine finishes it."""
-        self._backward_active = True
         self._grads_ready = False
         Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _complete(self, fi: int) -> bool:
-        return len(self._reported[fi]) == len(self.flat_params[fi].params)
+        return self._hooks.complete(fi)
 
     def _launch_ready(self) -> None:
         """Launches, in order, every group whose flat parameters all have their gradients (the same order on every
@@ -217,7 +210,7 @@ class GradReducer:
         on the gradients' device; zeros without ``check_finite``), and the indices of the parameters used here."""
         sums, used = self._sums, self.used
         self._sums = [None] * len(self.flat_params)
-        self.used = [set() for _ in self.flat_params]
+        self._used = [set() for _ in self.flat_params]
         device = self.flat_params[0].device if self.flat_params else torch.device("cpu")
         if all(t is None for t in sums):
             return torch.zeros(len(sums), dtype=torch.float32, device=device), used
@@ -233,9 +226,9 @@ class GradReducer:
         does nothing. If no hook fired at all (no parameter used on this rank), the second call still launches every
         bucket, with zero gradients, so this rank joins the collectives the other ranks issue.
         """
-        active, self._backward_active = self._backward_active, False
+        active, self._hooks.active = self._hooks.active, False
         if not self.require_grad_sync:
-            self._reported = [set() for _ in self.flat_params]
+            self._hooks.reset_reported()
             if active and self.on_finished is not None:
                 self.on_finished(False)
             return
@@ -246,7 +239,7 @@ class GradReducer:
         while self._inflight:
             self._complete_oldest()
         self._next_launch = 0
-        self._reported = [set() for _ in self.flat_params]
+        self._hooks.reset_reported()
         self._grads_ready = True
         if self.on_finished is not None:
             self.on_finished(True)
@@ -259,3 +252,9 @@ class GradReducer:
         self._grads_ready = False
         for fp in self.flat_params:
             fp.release_grad_shard()
+
+
+def _call(ref: weakref.ref, method: str, *args) -> None:
+    reducer = ref()
+    if reducer is not None:
+        getattr(reducer, method)(*args)
