@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile_steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--clock_steps", type=int, default=10, help="stage-3 steps timed by the event clock")
+    p.add_argument("--prefetch_bucket_size", type=int, default=0, help="ZeroConfig.prefetch_bucket_size (elements)")
     return p.parse_args(argv)
 
 
@@ -92,7 +93,9 @@ class Run:
         self.engine = None
         if kind == "stage3":
             self.engine = ZeroEngine(
-                model, torch.optim.AdamW(_groups(model), lr=1e-4), ZeroConfig(stage=3, wrap_policy=Block)
+                model,
+                torch.optim.AdamW(_groups(model), lr=1e-4),
+                ZeroConfig(stage=3, wrap_policy=Block, prefetch_bucket_size=args.prefetch_bucket_size),
             )
             self.model, self.opt = model, self.engine.optimizer
         else:

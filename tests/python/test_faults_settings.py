@@ -127,6 +127,19 @@ def test_negative_param_persistence_threshold(cls):
 
 
 @pytest.mark.parametrize("cls", STRATEGIES)
+def test_prefetch_bucket_size(cls):
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"prefetch_bucket_size={bad!r}\) must be an int >= 0 .* or None"):
+            cls(stage=3, prefetch_bucket_size=bad)
+    with pytest.raises(ValueError, match=r"prefetch_bucket_size=1000\) only applies to stage=3.*stage=2"):
+        cls(stage=2, prefetch_bucket_size=1000)
+    assert cls(stage=3)._core.config.prefetch_bucket_elems == 2_000_000  # the default, at stage 3 only
+    assert cls(stage=2)._core.config.prefetch_bucket_elems == 0
+    assert cls(stage=2, prefetch_bucket_size=0)._core.config.prefetch_bucket_elems == 0  # off: valid at any stage
+    assert cls(stage=3, prefetch_bucket_size=0)._core.config.prefetch_bucket_elems == 0
+
+
+@pytest.mark.parametrize("cls", STRATEGIES)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_check_gather_order_below_stage_3(cls, stage):
     with pytest.raises(

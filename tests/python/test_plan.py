@@ -218,3 +218,14 @@ def test_optimizer_state_bytes_follow_the_state_format():
     assert optimizer_state_bytes(Training(optimizer_state_dtype="int8"), [2048, 2049, 1]) == 2 * 4098 + 8 * 4
     with pytest.raises(ValueError, match="optimizer_state_dtype='int4'"):
         Training(optimizer_state_dtype="int4")
+
+
+def test_prefetch_group_is_the_largest_run_of_consecutive_units_within_the_bucket():
+    from zeroshard.plan.memory import _prefetch_group
+
+    # forward prefetches from the second unit on, backward from the one before the last, downward
+    assert _prefetch_group([5, 5, 5, 5], 12) == 10
+    assert _prefetch_group([5, 5, 5, 5], 0) == 5  # one unit at a time: the largest unit
+    assert _prefetch_group([5, 5, 5, 5], 100) == 15  # all but the first (forward) or the last (backward)
+    assert _prefetch_group([9, 1, 1, 9], 3) == 9  # a unit larger than the bucket is a group of its own
+    assert _prefetch_group([], 10) == 0

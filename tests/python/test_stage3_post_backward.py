@@ -123,7 +123,9 @@ def test_the_last_unit_stays_gathered_into_the_backward_that_starts_with_it():
     torch.manual_seed(0)
     model = Chain()
     ref = copy.deepcopy(model)
-    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeroConfig(stage=3, wrap_policy=Single))
+    # one unit per all-gather (prefetch_bucket_size=0): the counts below are per unit
+    config = ZeroConfig(stage=3, wrap_policy=Single, prefetch_bucket_size=0)
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x = torch.randn(4, 8)
     after_forward, gathers = [], []

@@ -12,6 +12,7 @@ from zeroshard.engine.policy_check import check_policy
 from zeroshard.engine.step_flags import NONFINITE_MODES
 from zeroshard.optim.restore_checks import MODES as OPTIMIZER_STATE_MODES
 from zeroshard.optim.state_format import check_state_dtype
+from zeroshard.sharding.sharded_units import PREFETCH_BUCKET_SIZE
 
 SUPPORTED_STAGES = (1, 2, 3)
 MIN_ALIGN_BYTES = 64  # a cache line, one AVX-512 vector
@@ -52,6 +53,12 @@ class ZeroConfig:
             and the module). The root is always a unit. Checked here for its kind and a callable's signature; the
             strategies also check at setup that it selects at least one module (:mod:`zeroshard.engine.policy_check`).
         prefetch: stage 3: all-gather the next unit while the current one computes.
+        prefetch_bucket_size: stage 3: a prefetch all-gathers the next units together, in one collective, while
+            their gathered sizes sum to at most this many elements (always at least the next unit), as DeepSpeed's
+            ``stage3_prefetch_bucket_size`` does. Small units then cost one collective per group instead of one each
+            (a collective's fixed cost dominates a small unit's); the group is gathered while the unit before it
+            computes, so it adds up to this many elements to the gathered parameters. 0 gathers one unit at a time;
+            None (default): :data:`PREFETCH_BUCKET_SIZE` at stage 3 (:attr:`prefetch_bucket_elems`).
         param_persistence_threshold: stage 3: units with fewer parameter elements than this stay gathered for the
             whole run (DeepSpeed's ``stage3_param_persistence_threshold``): too small to be worth a collective each.
             An int >= 0; non-zero only at stage 3.
@@ -100,6 +107,7 @@ class ZeroConfig:
     align_bytes: int = 64
     wrap_policy: object = None
     prefetch: bool = True
+    prefetch_bucket_size: int | None = None
     check_gather_order: bool = False
     param_init_fn: object = None
     reduce_dtype: object = None
@@ -142,9 +150,20 @@ class ZeroConfig:
                 f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int >= 0 "
                 "(elements: stage-3 units smaller than this stay gathered; 0, the default, keeps none gathered)."
             )
+        if self.prefetch_bucket_size is not None and (
+            isinstance(self.prefetch_bucket_size, bool)
+            or not isinstance(self.prefetch_bucket_size, int)
+            or self.prefetch_bucket_size < 0
+        ):
+            raise ValueError(
+                f"ZeroStrategy(prefetch_bucket_size={self.prefetch_bucket_size!r}) must be an int >= 0 (elements: "
+                "stage-3 units prefetched together in one all-gather; 0 gathers one unit at a time) or None (the "
+                f"default, {PREFETCH_BUCKET_SIZE:,} at stage 3)."
+            )
         for name, value, default in (
             ("check_gather_order", self.check_gather_order, False),
             ("param_persistence_threshold", self.param_persistence_threshold, 0),
+            ("prefetch_bucket_size", self.prefetch_bucket_size or None, None),
         ):
             if self.stage != 3 and value != default:
                 raise ValueError(
@@ -237,6 +256,13 @@ class ZeroConfig:
                 "torch.distributed.device_mesh.DeviceMesh, e.g. init_device_mesh('cuda', (replicas, shard_size), "
                 "mesh_dim_names=('replicate', 'shard')), or shard_group_size=<ranks per shard group>."
             )
+
+    @property
+    def prefetch_bucket_elems(self) -> int:
+        """The prefetch bucket in effect: ``prefetch_bucket_size``, or its default (stage 3 only) when None."""
+        if self.prefetch_bucket_size is not None:
+            return self.prefetch_bucket_size
+        return PREFETCH_BUCKET_SIZE if self.stage == 3 else 0
 
     def align_elems(self, element_size: int) -> int:
         """Alignment in elements for a buffer of ``element_size``-byte elements."""

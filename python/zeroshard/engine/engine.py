@@ -353,6 +353,7 @@ class ZeroEngine:
             self.gather_collectives,
             prefetch=self.config.prefetch,
             check_gather_order=self.config.check_gather_order,
+            prefetch_bucket_size=self.config.prefetch_bucket_elems,
         )
         # backward completes units in reverse forward order, the root (embeddings and head together) last
         ordered = [(b, fp) for i in reversed(range(len(units))) for b, fp in zip(plans[i].buckets, units[i].trainable)]

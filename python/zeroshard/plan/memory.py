@@ -18,7 +18,8 @@ buckets             the largest transient: gradient buckets in flight during bac
                     buffers at stages 2-3), autograd's gradient of the largest parameter before the hook takes it, the
                     all-gather staging of several flat parameters after the step; with offload on a GPU, the gradient
                     shards the device-to-host queue still holds (more when backward outruns PCIe)
-gathered_units      stage 3: the root unit (kept through the step) and two other units whole (current + prefetch)
+gathered_units      stage 3: the root unit (kept through the step), the current unit and the prefetched units whole (the
+                    next one, or the largest group of consecutive units within ``prefetch_bucket_size``)
 activations         saved for backward per micro-batch, a pre-LayerNorm transformer with SDPA (flash attention: no
                     s^2 term, its output is the projection's input): per layer (8 h + 2 f) s b elements (two norm
                     inputs, the qkv projection's input and output, the output projection's input, the MLP's input
@@ -57,6 +58,7 @@ from zeroshard.ops import QUANT_BLOCK
 from zeroshard.plan.cluster import Cluster
 from zeroshard.plan.model_spec import ModelSpec, Shape, _numel
 from zeroshard.plan.muon_memory import muon_step_bytes
+from zeroshard.sharding.sharded_units import PREFETCH_BUCKET_SIZE
 
 DEVICE_ITEMS = ("params", "grads", "master", "optimizer_state", "buckets", "comm_temp", "gathered_units", "activations",
                 "step_temp", "cuda_context")  # fmt: skip
@@ -86,6 +88,7 @@ class Training:
     min_8bit_size: int = 4096
     reduce_bucket_size: int = 25_000_000
     allgather_bucket_size: int = 25_000_000
+    prefetch_bucket_size: int = PREFETCH_BUCKET_SIZE
     max_inflight_buckets: int = 2
     offload_chunk_size: int = 4 * 1024 * 1024
     align_bytes: int = 64
@@ -255,6 +258,20 @@ def _allgather_staging(sizes: list[int], bucket_elems: int) -> int:
     return max(best, begin_size) if count > 1 else best
 
 
+def _prefetch_group(units: list[int], bucket: int) -> int:
+    """Elements of the largest stage-3 prefetch (ShardedUnits._prefetch): consecutive units after the first (forward)
+    or before the last (backward), one collective while their sum fits ``bucket``, at least one unit each."""
+    largest = max(units, default=0)
+    for run in (units[1:], units[-2::-1]):
+        total = 0
+        for n in run:
+            if total and total + n > bucket:
+                total = 0
+            total += n
+            largest = max(largest, total)
+    return largest
+
+
 def activation_bytes(spec: ModelSpec, train: Training) -> float:
     """Bytes saved for backward per micro-batch, with the logits' at the start of backward (module docstring)."""
     return sum(_activations(spec, train))
@@ -331,7 +348,8 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
         shard_all = shard_t + sum(fp.shard(n) for n in fp.frozen)
         dev["params"] = 0.0 if op else float(p * shard_all)
         biggest = max(fp.units, default=0)
-        gathered = float(p * (fp.root + 2 * biggest) + (2 * p * biggest // k if op else 0))
+        prefetched = biggest if op else _prefetch_group(fp.units, train.prefetch_bucket_size)
+        gathered = float(p * (fp.root + biggest + prefetched) + (2 * p * biggest // k if op else 0))
         dev["gathered_units"] = gathered
         tail = g * sum(last) + shards(last)
         staging = 0.0

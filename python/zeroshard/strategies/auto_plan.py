@@ -21,6 +21,7 @@ from zeroshard.plan.cluster import GIB, Cluster, from_environment
 from zeroshard.plan.memory import Training
 from zeroshard.plan.model_spec import _default_unit_class, module_spec
 from zeroshard.plan.planner import DEFAULT_MARGIN, choose, plan
+from zeroshard.sharding.sharded_units import PREFETCH_BUCKET_SIZE
 
 log = logging.getLogger("zeroshard.plan")
 
@@ -92,6 +93,9 @@ def auto_config(
         activation_checkpointing=activation_checkpointing,
         reduce_bucket_size=config.reduce_bucket_size,
         allgather_bucket_size=config.allgather_bucket_size,
+        prefetch_bucket_size=PREFETCH_BUCKET_SIZE
+        if config.prefetch_bucket_size is None
+        else config.prefetch_bucket_size,
         max_inflight_buckets=config.max_inflight_buckets,
         offload_chunk_size=config.offload_chunk_size,
         align_bytes=config.align_bytes,
@@ -129,6 +133,7 @@ def auto_config(
         # stage-3-only settings mean nothing at the stage 1-2 the planner may choose
         check_gather_order=config.check_gather_order if best["stage"] == 3 else False,
         param_persistence_threshold=config.param_persistence_threshold if best["stage"] == 3 else 0,
+        prefetch_bucket_size=config.prefetch_bucket_size if best["stage"] == 3 else None,
         optimizer_state_dtype=fmt,
     )
     message = f"zeroshard stage='auto' chose {best['config']}"

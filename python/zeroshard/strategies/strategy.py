@@ -74,6 +74,9 @@ class ZeroStrategy(DDPStrategy):
         wrap_policy: stage 3 units: a module class (e.g. your transformer block), a tuple of classes, a parameter
             count threshold, or ``callable(name, module) -> bool``. Parameters outside every unit form the root unit.
         prefetch: stage 3: all-gather the next unit while the current one computes.
+        prefetch_bucket_size: stage 3: a prefetch all-gathers the next units together, in one collective, while their
+            sizes sum to at most this many elements (DeepSpeed's ``stage3_prefetch_bucket_size``); 0: one unit at a
+            time. Default (None): 2,000,000, so small units share collectives and large ones keep their own.
         check_gather_order: stage 3 debug setting: after each backward, compare the units each rank gathered and
             raise naming the first one that differs (ranks that took different code paths).
         param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised
@@ -149,6 +152,7 @@ class ZeroStrategy(DDPStrategy):
         overlap_step: bool = False,
         wrap_policy=None,
         prefetch: bool = True,
+        prefetch_bucket_size: int | None = None,
         check_gather_order: bool = False,
         param_init_fn=None,
         reduce_dtype: torch.dtype | None = None,
@@ -183,6 +187,7 @@ class ZeroStrategy(DDPStrategy):
                 max_inflight_buckets=max_inflight_buckets,
                 wrap_policy=wrap_policy,
                 prefetch=prefetch,
+                prefetch_bucket_size=prefetch_bucket_size,
                 check_gather_order=check_gather_order,
                 param_init_fn=param_init_fn,
                 reduce_dtype=reduce_dtype,
