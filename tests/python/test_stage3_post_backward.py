@@ -168,3 +168,38 @@ def test_the_last_unit_stays_gathered_into_the_backward_that_starts_with_it():
     engine.after_step()
     assert gathers[-1] + 1 == engine.comm_stats()["last_step"]["all_gather"]["calls"] == 7
     engine.remove_hooks()
+
+
+class Checkpointed(Chain):
+    """The chain with every block recomputed in backward (activation checkpointing, non-reentrant)."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h).sum()
+
+
+@pytest.mark.parametrize("bucket", [0, None])
+def test_a_recomputation_in_backward_gathers_no_more_than_a_plain_backward(bucket):
+    """A block recomputed in backward is already gathered for its backward; its forward hooks must not prefetch the
+    next unit of the forward order (whose backward is over: it would be gathered again and stay so)."""
+    gathers, held = {}, {}
+    for cls in (Chain, Checkpointed):
+        torch.manual_seed(0)
+        model = cls()
+        config = ZeroConfig(stage=3, wrap_policy=Single, prefetch_bucket_size=bucket)
+        engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            engine.begin_step()
+            model(x).backward()
+            held[cls] = [u.is_gathered for u in engine.sharded.units[1:]]  # before the step's end frees every unit
+            engine.finish_backward()
+            engine.optimizer.step()
+            engine.optimizer.zero_grad(set_to_none=True)
+            engine.after_step()
+        gathers[cls] = engine.comm_stats()["last_step"]["all_gather"]["calls"]
+        engine.remove_hooks()
+    assert gathers[Checkpointed] == gathers[Chain], gathers
+    assert held[Checkpointed] == held[Chain] == [False, False, False], held

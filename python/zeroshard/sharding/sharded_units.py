@@ -493,9 +493,12 @@ class ShardedUnits:
             self._record(index)
             self.unshard(index)
             self.units[index].accessed = False  # used by this forward now: its post-hook frees it
-            if self.prefetch and not self._recording:
+            in_backward = torch._C._current_graph_task_id() != -1
+            # a recomputation inside backward (activation checkpointing) prefetches nothing: the next unit of the
+            # forward order is done with its backward, and the pre-backward hooks prefetch what backward needs
+            if self.prefetch and not self._recording and not in_backward:
                 self._prefetch(index, +1)
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            if not torch.is_grad_enabled() or in_backward:
                 return None  # no backward will come, or a recomputation inside backward
             wrapped = _wrap_inputs(self, index, args, kwargs)
             if wrapped is None:
