@@ -277,17 +277,8 @@ class ShardedUnits:
         for when it is not a forward or backward (named if it fails; default: the current :meth:`activity`)."""
         unit = self.units[index]
         if unit.pending is None and not unit.is_gathered:
-            unit.backward = torch._C._current_graph_task_id() != -1
-            unit.reason = None if unit.backward else (reason or self._activity)
-            if self.check_gather_order:
-                self._check_same_unit(index)
-            for fp in unit.flat_params:
-                fp.alloc_full()
-            tag, tags = self._tag_buffers(index, unit)
-            fulls = [fp.full for fp in unit.flat_params] + tags
+            tag, fulls = self._prepare_gather(unit, reason)
             # one bucket, so one all-gather: every rank's row is its shards followed by its tag (gather_check)
-            if unit.bucket is None:
-                unit.bucket = sum(t.numel() for t in fulls)
             if unit.flat_params[0].host_shard and fulls[0].is_cuda:
                 unit.pending, unit.staging = self._gather_from_host(unit, fulls, unit.bucket, tag)
             else:
@@ -298,6 +289,22 @@ class ShardedUnits:
                     self._raise_named(err, "all-gather (launch)", unit)
         if wait and unit.pending is not None:
             self._wait(unit)
+
+    def _prepare_gather(self, unit: Unit, reason: str | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Before ``unit``'s all-gather: its phase and reason, the debug order check, its full buffers' memory and
+        its tag. Returns this rank's tag (a list of one, or empty with the check off) and the all-gather's outputs:
+        the full buffers, then the buffer for every rank's tag; sets ``unit.bucket`` (their elements) once."""
+        unit.backward = torch._C._current_graph_task_id() != -1
+        unit.reason = None if unit.backward else (reason or self._activity)
+        if self.check_gather_order:
+            self._check_same_unit(unit.index)
+        for fp in unit.flat_params:
+            fp.alloc_full()
+        tag, tags = self._tag_buffers(unit.index, unit)
+        fulls = [fp.full for fp in unit.flat_params] + tags
+        if unit.bucket is None:
+            unit.bucket = sum(t.numel() for t in fulls)
+        return tag, fulls
 
     @staticmethod
     def _groupable(unit: Unit) -> bool:
@@ -310,17 +317,8 @@ class ShardedUnits:
         waited for and checked at its own use (:meth:`_wait`; the collective is waited for once)."""
         shards, fulls, bucket = [], [], 0
         units = [self.units[i] for i in indices]
-        for i, unit in zip(indices, units):
-            unit.backward = torch._C._current_graph_task_id() != -1
-            unit.reason = None if unit.backward else self._activity
-            if self.check_gather_order:
-                self._check_same_unit(i)
-            for fp in unit.flat_params:
-                fp.alloc_full()
-            tag, tags = self._tag_buffers(i, unit)
-            unit_fulls = [fp.full for fp in unit.flat_params] + tags
-            if unit.bucket is None:
-                unit.bucket = sum(t.numel() for t in unit_fulls)
+        for unit in units:
+            tag, unit_fulls = self._prepare_gather(unit, None)
             shards += [fp.shard for fp in unit.flat_params] + tag
             fulls += unit_fulls
             bucket += unit.bucket
