@@ -19,6 +19,11 @@ MIN_ALIGN_BYTES = 64  # a cache line, one AVX-512 vector
 MAX_ALIGN_BYTES = 2 << 20  # a huge page: padding beyond it buys nothing
 
 
+def _is_count(value, least: int) -> bool:
+    """Whether ``value`` is a plain int (not a bool) of at least ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """Settings of the ZeRO engine.
@@ -141,20 +146,12 @@ class ZeroConfig:
                 "whole); drop it or use stage=3."
             )
         check_policy("ZeroStrategy", "wrap_policy", self.wrap_policy, threshold=True)
-        if (
-            isinstance(self.param_persistence_threshold, bool)
-            or not isinstance(self.param_persistence_threshold, int)
-            or self.param_persistence_threshold < 0
-        ):
+        if not _is_count(self.param_persistence_threshold, 0):
             raise ValueError(
                 f"ZeroStrategy(param_persistence_threshold={self.param_persistence_threshold!r}) must be an int >= 0 "
                 "(elements: stage-3 units smaller than this stay gathered; 0, the default, keeps none gathered)."
             )
-        if self.prefetch_bucket_size is not None and (
-            isinstance(self.prefetch_bucket_size, bool)
-            or not isinstance(self.prefetch_bucket_size, int)
-            or self.prefetch_bucket_size < 0
-        ):
+        if self.prefetch_bucket_size is not None and not _is_count(self.prefetch_bucket_size, 0):
             raise ValueError(
                 f"ZeroStrategy(prefetch_bucket_size={self.prefetch_bucket_size!r}) must be an int >= 0 (elements: "
                 "stage-3 units prefetched together in one all-gather; 0 gathers one unit at a time) or None (the "
@@ -172,7 +169,7 @@ class ZeroConfig:
                 )
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_buckets", "offload_chunk_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_count(value, 1):
                 raise ValueError(f"ZeroStrategy({name}={value!r}) must be a positive integer (a count of elements).")
         if self.reduce_dtype is not None and not (
             isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point
@@ -239,11 +236,7 @@ class ZeroConfig:
                 "one only wastes memory."
             )
 
-        if self.shard_group_size is not None and (
-            isinstance(self.shard_group_size, bool)
-            or not isinstance(self.shard_group_size, int)
-            or self.shard_group_size < 1
-        ):
+        if self.shard_group_size is not None and not _is_count(self.shard_group_size, 1):
             raise ValueError(
                 f"ZeroStrategy(shard_group_size={self.shard_group_size!r}) must be a positive integer (ranks per shard "
                 "group, dividing the world size) or None (shard over every rank)."

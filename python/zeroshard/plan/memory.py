@@ -389,12 +389,12 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     # backward is its peak. A device's allocator hands the whole buffer out at once.
     paged = cluster.device == "cpu"
     backward, walk, done = param_grad, 0.0, 0
+    pending = 0.0 if off else 4.0 * sum(fp.shard(m) for m in order)  # gradient shards not reduced yet (below)
     for j, n in enumerate(order):
         full = g * sum(order[max(0, j - inflight + 1) : j + 1]) if layout.stage != 1 else 0.0
         held = full + shards(order[max(0, j - queued + 1) : j])  # earlier shards still queued for the host
-        # gradient shards are allocated by their reduction (fresh after every step): those not reduced yet take
-        # nothing (counted in dev["grads"] for the whole step otherwise)
-        pending = 0.0 if off else 4.0 * sum(fp.shard(m) for m in order[j:])
+        # gradient shards are allocated by their reduction (fresh after every step): those not reduced yet (this
+        # bucket's and later ones) take nothing (counted in dev["grads"] for the whole step otherwise)
         if paged and layout.stage != 1:
             start = layers_act * (1 - done / total) + held - g * n
             walk = max(walk, start - pending, layers_act * (1 - (done + n) / total) + held - pending)
@@ -402,6 +402,8 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
             walk = max(walk, layers_act * (1 - done / total) + held - pending)
         backward = max(backward, held + param_grad)
         done += n
+        if not off:
+            pending -= 4.0 * fp.shard(n)
     comm_temp_backward = rs_temp(reductions) if len(reductions) > 1 else 0.0
     if gloo and layout.stage == 3:  # the next unit's all-gather (prefetch) runs through gloo's full-size copy
         comm_temp_backward += p * max(fp.units, default=0)

@@ -580,19 +580,18 @@ class ShardedUnits:
             pos = order.index(index) + step
         except ValueError:
             return
-        if not 0 <= pos < len(order):
-            return
         group, total = [], 0
         while 0 <= pos < len(order):
             unit = self.units[order[pos]]
             if unit.pending is not None or unit.is_gathered:
                 break
             size = unit.bucket or sum(fp.layout.padded_numel for fp in unit.flat_params)
-            grouped = group and (total + size > self.prefetch_bucket_size or not self._groupable(unit))
-            if grouped or (group and not self._groupable(self.units[group[0]])):
+            if group and (total + size > self.prefetch_bucket_size or not self._groupable(unit)):
                 break
             group.append(unit.index)
             total += size
+            if not self._groupable(unit):  # host shards (parameter offload): gathered alone
+                break
             pos += step
         if len(group) == 1:
             self.unshard(group[0], wait=False)
