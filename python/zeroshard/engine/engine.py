@@ -188,7 +188,7 @@ class ZeroEngine:
             stage=config.stage,
             max_inflight=config.max_inflight_buckets,
             groups=self._reduction_groups(),
-            on_launch=self.sharded.on_reduction_launched if self.sharded else None,
+            on_complete=self.sharded.on_grads_complete if self.sharded else None,
             on_reduced=self.offload.gradient_reduced if self.offload else None,
             on_finished=self._on_backward_finished,
         )

@@ -58,7 +58,9 @@ class GradReducer:
             (default: each on its own). A group is one reduce-scatter, launched once all its flat parameters have
             their gradients: stage 3 reduces a unit's flat parameters (one per optimizer param group) in one, as FSDP2
             reduces a module's parameters, so a unit costs one gradient collective whatever its param groups.
-        on_launch: called with each flat parameter once its reduction is launched (stage 3 frees the unit then).
+        on_complete: called with each flat parameter once all its gradients of this backward are in its buffer, in
+            every backward, accumulation micro-batches included (stage 3 frees the unit then, when its backward is
+            over: the reduction needs the gradients, not the weights).
         on_reduced: called with each flat parameter once its reduced gradient shard is complete (optimizer offload
             copies it to the host then, while backward goes on).
         on_finished: called once per backward when it is complete, with True if gradients were reduced (False for
@@ -73,7 +75,7 @@ class GradReducer:
         stage: int,
         max_inflight: int,
         groups: list[list[int]] | None = None,
-        on_launch: Callable[[FlatParam], None] | None = None,
+        on_complete: Callable[[FlatParam], None] | None = None,
         on_reduced: Callable[[FlatParam], None] | None = None,
         on_finished: Callable[[bool], None] | None = None,
     ) -> None:
@@ -81,7 +83,7 @@ class GradReducer:
         self.collectives = collectives
         self.stage = stage
         self.max_inflight = max_inflight
-        self.on_launch = on_launch
+        self.on_complete = on_complete
         self.on_reduced = on_reduced
         self.on_finished = on_finished
         self.world_size = collectives.world_size
@@ -128,6 +130,8 @@ class GradReducer:
     def _on_complete(self, fi: int) -> None:
         """Hook callback: flat parameter ``fi`` has all its gradients of this backward. A create_graph backward runs
         hooks in grad mode: buffers and collectives stay out of its graph."""
+        if self.on_complete is not None:
+            self.on_complete(self.flat_params[fi])
         if not self.require_grad_sync or self._group_of[fi] != self._next_launch:
             return
         if torch.is_grad_enabled():
@@ -170,9 +174,6 @@ class GradReducer:
         handle = self.collectives.reduce_scatter(fulls, shards, bucket, scale, accumulate)
         self._inflight.append((gi, handle))
         self._next_launch = gi + 1
-        if self.on_launch is not None:
-            for fp in fps:
-                self.on_launch(fp)
         while len(self._inflight) > self.max_inflight:
             self._complete_oldest()
 

@@ -7,8 +7,9 @@ prefetches the unit that runs backward next) before the unit's own backward (FSD
 Inside a step the last unit of the forward stays gathered instead: backward starts with it, so freeing it would only
 gather it again at once (torchtitan sets ``reshard_after_forward=False`` on its last block for the same reason).
 Backward: a unit is freed once its backward is over, i.e. both the gradients of its inputs (a gradient hook on a view
-of its input, or an autograd function on several inputs, as FSDP2's post-backward) and the gradient reductions of its
-trainable flat parameters are done: frozen weights (LoRA's base weights) stay until the last gradient that needs them
+of its input, or an autograd function on several inputs, as FSDP2's post-backward) and the gradients of its
+trainable flat parameters are all in their buffers (whether or not this backward reduces them: gradient-accumulation
+micro-batches free their units too): frozen weights (LoRA's base weights) stay until the last gradient that needs them
 is computed.
 The root unit (parameters no other unit claims: embeddings, final norm, head) stays gathered from the start of a step to
 the end of its backward, as FSDP2 does with ``reshard_after_forward=None`` on the root; outside a step it is gathered
@@ -72,7 +73,7 @@ class Unit:
         self.persistent = persistent  # below the persistence threshold: gathered once, never freed
         self.pending = None  # CollectiveHandle of an all-gather in flight
         self.staging: list[torch.Tensor] | None = None  # device copies of host shards feeding that all-gather
-        self.launched = 0  # trainable flat parameters whose reduction was launched this backward
+        self.complete = 0  # trainable flat parameters with all their gradients of this backward
         self.inputs_pending = 0  # forwards of this step whose input gradients are not computed yet
         self.accessed = False  # gathered outside a forward because a placeholder was read (freed on the next event)
         self.dirty = False  # its gathered values may have been written: write them back to the shard when freed
@@ -605,8 +606,9 @@ class ShardedUnits:
 
     def _free_if_backward_done(self, unit: Unit, index: int) -> None:
         """Frees a unit whose backward is over: every input gradient computed (so every use of its weights, frozen
-        ones included) and every trainable flat parameter's reduction launched (so every weight gradient taken)."""
-        if not unit.is_root and unit.inputs_pending == 0 and unit.launched >= len(unit.trainable):
+        ones included) and every trainable flat parameter's gradients in its buffer (so every weight gradient taken;
+        in every backward, so a gradient-accumulation micro-batch frees its units as a synchronised one does)."""
+        if not unit.is_root and unit.inputs_pending == 0 and unit.complete >= len(unit.trainable):
             self.reshard(index)
 
     def _record(self, index: int) -> None:
@@ -640,12 +642,14 @@ class ShardedUnits:
             self.reshard(self.last_kept)
         self.check_deferred_tags()
 
-    def on_reduction_launched(self, fp: FlatParam) -> None:
-        """GradReducer callback: one more trainable flat parameter of its unit has all its gradients (and is being
-        reduced); the unit is freed once its backward is over (:meth:`_free_if_backward_done`)."""
+    def on_grads_complete(self, fp: FlatParam) -> None:
+        """GradReducer callback: one more trainable flat parameter of its unit has all its gradients of this backward
+        (in every backward, accumulation micro-batches included); the unit is freed once its backward is over
+        (:meth:`_free_if_backward_done`). Its reduce-scatter reads the gradient buffers, not the gathered weights, so
+        the unit need not wait for it."""
         unit = self._unit_of[id(fp)]
-        unit.launched += 1
-        if unit.launched == len(unit.trainable):
+        unit.complete += 1
+        if unit.complete == len(unit.trainable):
             self._free_if_backward_done(unit, unit.index)
 
     def unit_of(self, fp: FlatParam) -> Unit:
@@ -661,7 +665,7 @@ class ShardedUnits:
         self.reshard_all()
         self.check_deferred_tags()
         for unit in self.units:
-            unit.launched = 0
+            unit.complete = 0
             unit.inputs_pending = 0
         if self.forward_order:
             self._recording = False
