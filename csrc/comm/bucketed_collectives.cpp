@@ -141,11 +141,11 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
     // Shards that already lie back to back (stage 3 packs a unit's shards and tag so) are sent from where they lie.
     at::Tensor staging = at::empty({world_size_, total}, shards[b].options());
     std::vector<int64_t> sizes;
-    Tensors ins;
     Tensors outs;
+    sizes.reserve(e - b);
+    outs.reserve(e - b);
     for (size_t i = b; i < e; ++i) {
       sizes.push_back(shards[i].numel());
-      ins.push_back(shards[i].view({-1}));
       outs.push_back(fulls[i].view({world_size_, shards[i].numel()}));
     }
     at::Tensor flat = staging.view({-1});
@@ -153,6 +153,9 @@ CollectiveHandle BucketedCollectives::all_gather(Tensors shards, Tensors fulls, 
       at::Tensor row = shards[b].as_strided({total}, {1});
       handle.add_work(compat::all_gather_single(*pg_, flat, row));
     } else {
+      Tensors ins;
+      ins.reserve(e - b);
+      for (size_t i = b; i < e; ++i) ins.push_back(shards[i].view({-1}));
       at::Tensor own_row = staging.select(0, rank_);
       at::cat_out(own_row, ins, 0);
       handle.add_work(compat::all_gather_single(*pg_, flat, own_row));
