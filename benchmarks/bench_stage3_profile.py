@@ -72,7 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile_steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--clock_steps", type=int, default=10, help="stage-3 steps timed by the event clock")
-    p.add_argument("--prefetch_bucket_size", type=int, default=0, help="ZeroConfig.prefetch_bucket_size (elements)")
+    p.add_argument(
+        "--prefetch_bucket_size",
+        type=int,
+        default=None,
+        help="ZeroConfig.prefetch_bucket_size (elements); default: the engine's (not passed, so older checkouts run)",
+    )
     return p.parse_args(argv)
 
 
@@ -92,10 +97,12 @@ class Run:
         model = GPT(cfg)
         self.engine = None
         if kind == "stage3":
+            size = args.prefetch_bucket_size
+            bucket = {} if size is None else {"prefetch_bucket_size": size}
             self.engine = ZeroEngine(
                 model,
                 torch.optim.AdamW(_groups(model), lr=1e-4),
-                ZeroConfig(stage=3, wrap_policy=Block, prefetch_bucket_size=args.prefetch_bucket_size),
+                ZeroConfig(stage=3, wrap_policy=Block, **bucket),
             )
             self.model, self.opt = model, self.engine.optimizer
         else:
@@ -153,8 +160,11 @@ def _cache_stats() -> dict | None:
     return _C.buffer_cache_stats() if hasattr(_C, "buffer_cache_stats") else None  # absent before issue 22
 
 
-def clock_run(run: Run, steps: int) -> dict:
-    """Python CPU time per unit event (EventClock, see the module docstring), both ranks' samples pooled."""
+def clock_run(run: Run, steps: int) -> dict | None:
+    """Python CPU time per unit event (EventClock, see the module docstring), both ranks' samples pooled; None for
+    ``steps=0`` (also what a checkout from before the event clock can run)."""
+    if steps == 0:
+        return None
     from zeroshard.sharding.event_clock import EventClock
 
     clock = EventClock()
