@@ -72,7 +72,13 @@ class Net(nn.Module):
         return self.head(h).sum() + aux.sum()
 
 
-def test_units_are_freed_when_their_own_backward_ends_and_the_step_is_adamw():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_units_are_freed_when_their_own_backward_ends_and_the_step_is_adamw(micro_batches):
+    """With 2 micro-batches per step the first only accumulates (``require_grad_sync = False``: Lightning's
+    ``accumulate_grad_batches``, DDP's ``no_sync``) and frees each unit when its backward is over, as a synchronised
+    one does: its weights are not needed by the reduction (the gradient buffers are). Once every unit stayed gathered
+    to the end of such a backward: the whole model at once, on every micro-batch but the last. The step is AdamW's on
+    the summed gradients of an unsharded copy."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -80,50 +86,17 @@ def test_units_are_freed_when_their_own_backward_ends_and_the_step_is_adamw():
         model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeroConfig(stage=3, wrap_policy=(Single, Pair))
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    x = torch.randn(4, 8)
-    for _ in range(2):
-        model.seen.clear()
-        engine.begin_step()
-        model(x).backward()
-        engine.finish_backward()
-        engine.optimizer.step()
-        engine.optimizer.zero_grad(set_to_none=True)
-        engine.after_step()
-        ref(x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        # a (one input: the hooked view) is freed before the side branch's backward, though x0's gradient is complete
-        # only after it; b (two inputs: _PostBackward) before a's backward, though a residual uses its input too
-        assert model.seen == {"a freed before side's backward": True, "b freed before a's backward": True}
-        assert model.freed(model.a) and model.freed(model.b)
-    with gathered_parameters(model):
-        got = {k: v.detach().clone() for k, v in model.named_parameters()}
-    for k, v in ref.named_parameters():
-        torch.testing.assert_close(got[k], v.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
-    engine.remove_hooks()
-
-
-def test_gradient_accumulation_micro_batches_free_their_units_in_backward():
-    """A micro-batch that only accumulates (``require_grad_sync = False``: Lightning's ``accumulate_grad_batches``,
-    DDP's ``no_sync``) frees each unit when its backward is over, as a synchronised one does: its weights are not
-    needed by the reduction (the gradient buffers are). Once every unit stayed gathered to the end of such a backward:
-    the whole model at once, on every micro-batch but the last. The step after two micro-batches is AdamW's on the
-    summed gradients of an unsharded copy."""
-    torch.manual_seed(0)
-    model = Net()
-    ref = copy.deepcopy(model)
-    engine = ZeroEngine(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-2), ZeroConfig(stage=3, wrap_policy=(Single, Pair))
-    )
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    xs = torch.randn(2, 4, 8)
+    xs = torch.randn(micro_batches, 4, 8)
     for _ in range(2):
         for micro, x in enumerate(xs):
             model.seen.clear()
-            engine.require_grad_sync = micro == len(xs) - 1
+            engine.require_grad_sync = micro == micro_batches - 1
             engine.begin_step()
             model(x).backward()
             engine.finish_backward()
+            # a (one input: the hooked view) is freed before the side branch's backward, though x0's gradient is
+            # complete only after it; b (two inputs: _PostBackward) before a's backward, though a residual uses its
+            # input too
             assert model.seen == {"a freed before side's backward": True, "b freed before a's backward": True}, micro
             assert model.freed(model.a) and model.freed(model.b)
             ref(x).backward()
