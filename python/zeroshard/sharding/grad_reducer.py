@@ -131,15 +131,17 @@ class GradReducer:
 
     def _on_complete(self, fi: int) -> None:
         """Hook callback: flat parameter ``fi`` has all its gradients of this backward. A create_graph backward runs
-        hooks in grad mode: buffers and collectives stay out of its graph."""
-        if self.on_complete is not None:
-            self.on_complete(self.flat_params[fi])
-        if not self.require_grad_sync or self._group_of[fi] != self._next_launch:
-            return
+        hooks in grad mode: buffers, the unit freed and collectives stay out of its graph."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                self._launch_ready()
+                self._completed(fi)
         else:
+            self._completed(fi)
+
+    def _completed(self, fi: int) -> None:
+        if self.on_complete is not None:
+            self.on_complete(self.flat_params[fi])
+        if self.require_grad_sync and self._group_of[fi] == self._next_launch:
             self._launch_ready()
 
     def _start_backward(self) -> None:
