@@ -229,36 +229,3 @@ def test_prefetch_group_is_the_largest_run_of_consecutive_units_within_the_bucke
     assert _prefetch_group([5, 5, 5, 5], 100) == 15  # all but the first (forward) or the last (backward)
     assert _prefetch_group([9, 1, 1, 9], 3) == 9  # a unit larger than the bucket is a group of its own
     assert _prefetch_group([], 10) == 0
-
-
-@pytest.mark.parametrize("bucket", [0, 2.5, None])
-def test_stage3_reduce_scatters_are_the_engines(group, bucket):
-    """The planner's stage-3 reduce-scatters (elements each, :attr:`FlatPlan.reductions`) are those the engine's
-    reducer issues: one per unit, or consecutive small units together within the prefetch bucket (0: one unit per
-    reduce-scatter; 2.5 blocks: pairs; None: the default 2M elements, the whole small model in one)."""
-    sys.path.insert(0, str(REPO / "examples"))
-    from gpt import GPT, Block, GPTConfig
-    from zeroshard import ZeroConfig, ZeroEngine
-    from zeroshard.plan.memory import flat_plan
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=6, n_head=2, n_embd=32, block_size=16, vocab_size=64))
-    spec = module_spec(model, Block, seq_len=16)
-    block = _padded_numel(spec.units[1].shapes)
-    size = None if bucket is None else int(bucket * block)
-    engine = ZeroEngine(
-        model, torch.optim.AdamW(model.parameters()), ZeroConfig(stage=3, wrap_policy=Block, prefetch_bucket_size=size)
-    )
-    fps = engine.reducer.flat_params
-    issued = [sum(fps[fi].layout.padded_numel for fi in g) for g in engine.reducer.groups]
-    train = Training(compute_dtype=torch.float32, prefetch_bucket_size=engine.config.prefetch_bucket_elems)
-    planned = flat_plan(spec, train, Layout(stage=3), world=1).reductions
-    assert planned[::-1] == issued  # the plan lists them in unit order, backward launches them in reverse
-    assert len(issued) == {0: 7, 2.5: 3, None: 1}[bucket], issued
-    engine.remove_hooks()
-
-
-def _padded_numel(shapes) -> int:
-    from zeroshard import _C
-
-    return _C.FlatParamLayout([list(s) for s in shapes], 1, 16).padded_numel

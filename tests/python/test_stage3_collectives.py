@@ -4,8 +4,7 @@ module's parameters); the root unit, gathered at the start of the step
 and kept through backward, gathers once, and so does the last unit of the forward, kept gathered into the backward
 that starts with it (from the second step on, once the forward order is recorded). The gather check's tag rides
 inside each unit's all-gather (:mod:`zeroshard.sharding.gather_check`), so it adds no collective. A prefetch bucket
-(``prefetch_bucket_size``) gathers several small units in one all-gather, and backward reduces consecutive small units
-in one reduce-scatter: fewer collectives, the same training.
+(``prefetch_bucket_size``) gathers several small units in one all-gather: fewer collectives, the same training.
 Counted by the C++ collectives layer (``engine.comm_stats()``) on 2 gloo ranks, while training equals a data-parallel
 reference written in the worker."""
 
@@ -34,19 +33,17 @@ def _rank(out: Path, name: str, rank: int) -> dict:
 @pytest.mark.parametrize(
     "name, units, all_gathers, reduce_scatters",
     [
-        # one unit per collective (prefetch bucket 0): root (wte, wpe, ln_f; the head is tied) + 2 blocks, each with
-        # a decay and a no-decay flat parameter, both in one reduce-scatter
+        # root (wte, wpe, ln_f; the head is tied) + 2 blocks, each with a decay and a no-decay flat parameter, both
+        # in one reduce-scatter
         ("gpt", [(True, 2), (False, 2), (False, 2)], 1 + 2 * 2 - 1, 1 + 2),
         # root (embed, gain, head) + 3 blocks, one param group; blocks.1's frozen scale is a flat parameter of its
         # own without a reduction
         ("odd", [(True, 1), (False, 1), (False, 1), (False, 1)], 1 + 2 * 3 - 1, 1 + 3),
         # 6 blocks, default prefetch bucket: forward gathers the root, the first block, then blocks 2-6 in one
-        # prefetch; backward starts with block 6 (kept) and prefetches blocks 5-1 in one; the whole model's
-        # gradients (0.1M elements) go in one reduce-scatter
-        ("gpt6", [(True, 2)] + [(False, 2)] * 6, 1 + 1 + 1 + 1, 1),
-        # prefetch bucket of 2.5 blocks: forward 1 (root) + 1 + {2, 3} + {4, 5} + {6}, backward {5, 4} + {3, 2} + {1};
-        # reduce-scatters {6, 5} + {4, 3} + {2, 1, root} (the root is a fifth of a block)
-        ("gpt6_pairs", [(True, 2)] + [(False, 2)] * 6, 1 + 1 + 3 + 3, 3),
+        # prefetch; backward starts with block 6 (kept) and prefetches blocks 5-1 in one
+        ("gpt6", [(True, 2)] + [(False, 2)] * 6, 1 + 1 + 1 + 1, 1 + 6),
+        # prefetch bucket of 2.5 blocks: forward 1 (root) + 1 + {2, 3} + {4, 5} + {6}, backward {5, 4} + {3, 2} + {1}
+        ("gpt6_pairs", [(True, 2)] + [(False, 2)] * 6, 1 + 1 + 3 + 3, 1 + 6),
     ],
 )
 def test_collectives_per_stage3_step_are_theory(counts, name, units, all_gathers, reduce_scatters):

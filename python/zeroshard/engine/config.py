@@ -48,7 +48,6 @@ class ZeroConfig:
             (their factors are global) and folds them into the kernel. Off by default until measured on a GPU.
         reduce_bucket_size: elements per flat parameter / gradient bucket (stages 1-2). Each bucket is one
             reduce-scatter (stage 2) or all-reduce (stage 1). Default 25M elements, like DeepSpeed's ``5e8`` bytes / 20.
-            Stage 3: the most elements of one unit's flat parameters reduced in one reduce-scatter.
         allgather_bucket_size: elements per all-gather of updated parameter shards after the step.
         max_inflight_buckets: reduce-scatters allowed in flight during backward before the oldest is waited on;
             bounds the full-size gradient buffers alive at once (stage 2 memory).
@@ -63,11 +62,8 @@ class ZeroConfig:
             their gathered sizes sum to at most this many elements (always at least the next unit), as DeepSpeed's
             ``stage3_prefetch_bucket_size`` does. Small units then cost one collective per group instead of one each
             (a collective's fixed cost dominates a small unit's); the group is gathered while the unit before it
-            computes, so it adds up to this many elements to the gathered parameters. Backward reduces small units
-            together the same way: consecutive units whose gradients sum to at most this many elements (and to
-            ``reduce_bucket_size``) go in one reduce-scatter, launched once the last of them has its gradients, which
-            adds up to this many elements of full-size gradients. 0 gathers and reduces one unit at a time; None
-            (default): :data:`PREFETCH_BUCKET_SIZE` at stage 3 (:attr:`prefetch_bucket_elems`).
+            computes, so it adds up to this many elements to the gathered parameters. 0 gathers one unit at a time;
+            None (default): :data:`PREFETCH_BUCKET_SIZE` at stage 3 (:attr:`prefetch_bucket_elems`).
         param_persistence_threshold: stage 3: units with fewer parameter elements than this stay gathered for the
             whole run (DeepSpeed's ``stage3_param_persistence_threshold``): too small to be worth a collective each.
             An int >= 0; non-zero only at stage 3.

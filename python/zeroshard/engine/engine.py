@@ -364,38 +364,21 @@ class ZeroEngine:
 
     def _reduction_groups(self) -> list[list[int]] | None:
         """Stage 3: the flat parameters of one unit (one per optimizer param group, consecutive in backward order)
-        are reduced in one reduce-scatter while together they fit ``reduce_bucket_size`` elements, and consecutive
-        units in one while all their gradients together fit the prefetch bucket as well
-        (:attr:`~zeroshard.engine.config.ZeroConfig.prefetch_bucket_elems`): small units are reduced together as they
-        are gathered together, since a collective's fixed cost dominates a small unit's (DeepSpeed fills its stage-3
-        reduce bucket across parameters the same way). Stages 1-2 reduce each bucket on its own (None)."""
+        are reduced in one reduce-scatter while together they fit in ``reduce_bucket_size`` elements; stages 1-2
+        reduce each bucket on its own (None)."""
         if self.sharded is None:
             return None
-        within = self.config.reduce_bucket_size
-        across = min(within, self.config.prefetch_bucket_elems)
-        units: list[list[tuple[int, int]]] = []  # per unit, in backward order: (flat parameter index, elements)
-        prev = None
+        groups: list[list[int]] = []
+        prev, size = None, 0
         for fi, fp in enumerate(self.flat_params):
             unit = self.sharded.unit_of(fp)
-            if unit is not prev:
-                units.append([])
-                prev = unit
-            units[-1].append((fi, fp.layout.padded_numel))
-        groups: list[list[int]] = []
-        size = 0
-        for flats in units:
-            total = sum(n for _, n in flats)
-            if groups and size + total <= across:  # the whole unit joins the open reduce-scatter
-                groups[-1] += [fi for fi, _ in flats]
-                size += total
-                continue
-            for j, (fi, n) in enumerate(flats):
-                if j and size + n <= within:
-                    groups[-1].append(fi)
-                    size += n
-                else:
-                    groups.append([fi])
-                    size = n
+            n = fp.layout.padded_numel
+            if unit is prev and size + n <= self.config.reduce_bucket_size:
+                groups[-1].append(fi)
+                size += n
+            else:
+                groups.append([fi])
+                prev, size = unit, n
         return groups
 
     def _check_offload_budget(self, flat: list[tuple[list[torch.Tensor], bool, object]]) -> None:

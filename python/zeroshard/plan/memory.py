@@ -226,8 +226,6 @@ def flat_plan(spec: ModelSpec, train: Training, layout: Layout, world: int) -> F
             else:
                 units.append(total)
         frozen = [f for f in (_padded(u.frozen, k, align) for u in spec.units) if f]
-        across = min(train.reduce_bucket_size, train.prefetch_bucket_size)
-        groups, staged = _reduce_groups(groups, staged, across)
         return FlatPlan(k, trainable, frozen, root, units, largest, fp32_state, groups, staged)
     # the engine's plan_buckets: reverse registration order, one open bucket per kind (set apart or not), each cut at
     # reduce_bucket_size
@@ -258,23 +256,6 @@ def _allgather_staging(sizes: list[int], bucket_elems: int) -> int:
         begin_size += n
         count += 1
     return max(best, begin_size) if count > 1 else best
-
-
-def _reduce_groups(units: list[int], staged: list[bool], bucket: int) -> tuple[list[int], list[bool]]:
-    """Stage 3's reduce-scatters (``ZeroEngine._reduction_groups``): ``units`` and ``staged`` per unit with trainable
-    flat parameters, in unit order (root first); backward launches them in reverse, and consecutive units go in one
-    while their elements sum to at most ``bucket``. Returns elements and staged flags per reduce-scatter, in unit
-    order; one that merged units copies their gradients into one staging buffer."""
-    sizes: list[int] = []
-    flags: list[bool] = []
-    for n, several in zip(reversed(units), reversed(staged)):
-        if sizes and sizes[-1] + n <= bucket:
-            sizes[-1] += n
-            flags[-1] = True
-        else:
-            sizes.append(n)
-            flags.append(several)
-    return sizes[::-1], flags[::-1]
 
 
 def _prefetch_group(units: list[int], bucket: int) -> int:
@@ -339,7 +320,7 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     gloo = cluster.device == "cpu"
     inflight = train.max_inflight_buckets + 1
     # reductions launch in flat-parameter order at stages 1-2, in reverse unit order (root last) at stage 3
-    last = fp.reductions[:inflight] if layout.stage == 3 else fp.trainable[-inflight:]
+    last = fp.trainable[:inflight] if layout.stage == 3 else fp.trainable[-inflight:]
     reductions = list(zip(fp.reductions, fp.staged or [False] * len(fp.reductions)))
     last_reductions = reductions[:inflight] if layout.stage == 3 else reductions[-inflight:]
     param_grad = p * fp.largest_param  # autograd's .grad before the hook moves it into the bucket
@@ -401,7 +382,7 @@ def memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -
     # its first parameter, by which point the activations of what came after it are freed; the logits' part only
     # lives at the start, before any bucket.
     layers_act, head_act = _activations(spec, train)
-    order = list(reversed(fp.reductions)) if layout.stage == 3 else list(fp.trainable)
+    order = list(reversed(fp.trainable)) if layout.stage == 3 else list(fp.trainable)
     total = max(1, sum(order))
     # On CPU a fresh full gradient buffer takes memory page by page as its gradients are copied in (it is never
     # zero-filled, FlatParam.accumulate_grad), while its part of the activations is freed: either end of a bucket's

@@ -5,8 +5,7 @@ hooks its buckets) adds its fresh gradient into its bucket's full-size gradient 
 ``param.grad``; Python hears once per backward and once per complete bucket. When every parameter of a bucket has
 reported (and all earlier buckets were launched, so every rank issues collectives in one order), the bucket is
 reduce-scattered into its gradient shard asynchronously while backward goes on (at stage 3, a unit's flat parameters,
-one per param group, wait for each other and go in one reduce-scatter, as FSDP2 reduces a module's parameters, and
-consecutive small units share one: ``groups``). The
+one per param group, wait for each other and go in one reduce-scatter, as FSDP2 reduces a module's parameters). The
 first gradient of a parameter since its buffer was allocated or reduced is copied into it, later ones are added; a fresh
 gradient shard is written by the reduction, not zeroed first. At every stage that is the only gradient collective:
 stage 1 keeps the whole gradient buffer (read as zeros after the reduction, for the next accumulation) but needs only
@@ -58,8 +57,7 @@ class GradReducer:
         groups: flat parameters reduced together, as lists of indices into ``flat_params`` that cover it in order
             (default: each on its own). A group is one reduce-scatter, launched once all its flat parameters have
             their gradients: stage 3 reduces a unit's flat parameters (one per optimizer param group) in one, as FSDP2
-            reduces a module's parameters, so a unit costs one gradient collective whatever its param groups, and
-            consecutive small units in one (``ZeroEngine._reduction_groups``).
+            reduces a module's parameters, so a unit costs one gradient collective whatever its param groups.
         on_complete: called with each flat parameter once all its gradients of this backward are in its buffer, in
             every backward, accumulation micro-batches included (stage 3 frees the unit then, when its backward is
             over: the reduction needs the gradients, not the weights).

@@ -75,9 +75,8 @@ class ZeroStrategy(DDPStrategy):
             count threshold, or ``callable(name, module) -> bool``. Parameters outside every unit form the root unit.
         prefetch: stage 3: all-gather the next unit while the current one computes.
         prefetch_bucket_size: stage 3: a prefetch all-gathers the next units together, in one collective, while their
-            sizes sum to at most this many elements (DeepSpeed's ``stage3_prefetch_bucket_size``), and backward
-            reduce-scatters consecutive units' gradients together within the same size; 0: one unit at a time.
-            Default (None): 2,000,000, so small units share collectives and large ones keep their own.
+            sizes sum to at most this many elements (DeepSpeed's ``stage3_prefetch_bucket_size``); 0: one unit at a
+            time. Default (None): 2,000,000, so small units share collectives and large ones keep their own.
         check_gather_order: stage 3 debug setting: after each backward, compare the units each rank gathered and
             raise naming the first one that differs (ranks that took different code paths).
         param_init_fn: initialises a module's own tensors when a model built on the meta device is materialised

@@ -7,14 +7,12 @@ step / after_step``, against a whole copy of the model trained alone on the conc
 data-parallel reference, written here, not zeroshard's):
 
 * ``gpt``: the examples' GPT, 2 blocks, units = blocks; AdamW with two param groups (decay / no decay), so every unit
-  has two trainable flat parameters; prefetch bucket 0 (one unit per collective);
+  has two trainable flat parameters;
 * ``odd``: a model whose unit sizes divide by neither 2 nor the alignment (37 x 53 and 53 x 29 linears, a 3-element
-  gain), one param group, one frozen parameter in a block (a unit with a frozen flat parameter), prefetch off,
-  prefetch bucket 0;
+  gain), one param group, one frozen parameter in a block (a unit with a frozen flat parameter), prefetch off;
 * ``gpt6``: the GPT with 6 blocks and the default prefetch bucket (2M elements): every prefetch takes all the
-  blocks left in one all-gather, and backward reduces the whole model in one reduce-scatter;
-* ``gpt6_pairs``: the same with a prefetch bucket of 2.5 blocks: prefetches take two blocks at a time, and so do the
-  reduce-scatters (the small root unit joins the last pair).
+  blocks left in one all-gather;
+* ``gpt6_pairs``: the same with a prefetch bucket of 2.5 blocks: prefetches take two blocks at a time.
 
 Writes ``{name}_rank{r}.json``: the last step's counts per kind, each unit's number of trainable flat parameters and
 whether it is the root, and the largest difference from the reference's losses and parameters.
@@ -78,33 +76,21 @@ def _groups(model: nn.Module, two_groups: bool) -> list[dict]:
     ]
 
 
-def _engine(model: nn.Module, wrap, two_groups: bool, **config) -> zeroshard.ZeroEngine:
-    return zeroshard.ZeroEngine(
-        model,
-        torch.optim.AdamW(_groups(model, two_groups), lr=1e-2),
-        zeroshard.ZeroConfig(stage=3, wrap_policy=wrap, **config),
-    )
-
-
 def run(
-    name: str,
-    model: nn.Module,
-    vocab: int,
-    wrap,
-    two_groups: bool,
-    prefetch: bool,
-    bucket: int | None = None,
-    bucket_units: float = 0.0,
+    name: str, model: nn.Module, vocab: int, wrap, two_groups: bool, prefetch: bool, bucket_units: float = 0.0
 ) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(_groups(ref, two_groups), lr=1e-2)
+    engine = zeroshard.ZeroEngine(
+        model,
+        torch.optim.AdamW(_groups(model, two_groups), lr=1e-2),
+        zeroshard.ZeroConfig(stage=3, wrap_policy=wrap, prefetch=prefetch),
+    )
     if bucket_units:  # in units of one block's gathered size (its flat parameters and every rank's tag)
-        probe = _engine(copy.deepcopy(model), wrap, two_groups)
-        size = sum(fp.layout.padded_numel for fp in probe.sharded.units[1].flat_params) + world * 4
-        probe.remove_hooks()
-        bucket = int(bucket_units * size)
-    engine = _engine(model, wrap, two_groups, prefetch=prefetch, prefetch_bucket_size=bucket)
+        block = engine.sharded.units[1]
+        size = sum(fp.layout.padded_numel for fp in block.flat_params) + world * 4
+        engine.sharded.prefetch_bucket_size = int(bucket_units * size)
     batches = [torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
     loss_diff = 0.0
     for _ in range(STEPS):
@@ -142,9 +128,9 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
-    results = [run("gpt", GPT(cfg), cfg.vocab_size, Block, two_groups=True, prefetch=True, bucket=0)]
+    results = [run("gpt", GPT(cfg), cfg.vocab_size, Block, two_groups=True, prefetch=True)]
     torch.manual_seed(0)
-    results.append(run("odd", OddModel(), 29, OddBlock, two_groups=False, prefetch=False, bucket=0))
+    results.append(run("odd", OddModel(), 29, OddBlock, two_groups=False, prefetch=False))
     cfg6 = GPTConfig(n_layer=6, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     torch.manual_seed(0)
     results.append(run("gpt6", GPT(cfg6), cfg6.vocab_size, Block, two_groups=True, prefetch=True))
