@@ -147,14 +147,11 @@ class GradReducer:
         self._grads_ready = False
         Variable._execution_engine.queue_callback(self.finish_backward)
 
-    def _complete(self, fi: int) -> bool:
-        return self._hooks.complete(fi)
-
     def _launch_ready(self) -> None:
         """Launches, in order, every group whose flat parameters all have their gradients (the same order on every
         rank, whatever order this rank's hooks fired in)."""
         n = len(self.groups)
-        while self._next_launch < n and all(self._complete(fi) for fi in self.groups[self._next_launch]):
+        while self._next_launch < n and all(self._hooks.complete(fi) for fi in self.groups[self._next_launch]):
             self._launch(self._next_launch)
 
     def _launch(self, gi: int) -> None:
